@@ -1,0 +1,26 @@
+"""Small helpers shared by the Triton launchers."""
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tensors, the Triton interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def new_output(shape, dtype, device):
+    """torch.empty, or NaN-filled with TRANSFORMER_FAST_POISON=1 so tests catch unwritten elements."""
+    if os.environ.get("TRANSFORMER_FAST_POISON") == "1":
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def autotune_configs(configs):
+    """The interpreter cannot benchmark (multi-config autotune raises "0 active drivers"): keep one."""
+    return configs[:1] if interpreting() else configs
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))

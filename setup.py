@@ -1,0 +1,90 @@
+"""Build and install transformer_fast.
+
+The C++ extension ``transformer_fast._C`` is compiled against the torch that is already
+installed, so install with ``pip install --no-build-isolation .`` after installing torch.
+Set ``TRANSFORMER_FAST_NO_BUILD=1`` to skip the build: the package then JIT-builds the same
+sources on first use (see ``transformer_fast/_extension.py``).
+"""
+import os
+import runpy
+import shutil
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+build_config = runpy.run_path(os.path.join(ROOT, "transformer_fast", "_build_config.py"))
+
+PACKAGES = ["transformer_fast", "transformer_fast.integrations", "transformer_fast.kernels", "transformer_fast.csrc"]
+# kernels/ and csrc/ live at the top level (design card) but install inside the package:
+# nothing may install a top-level module called `kernels` (a PyPI package of that name exists).
+PACKAGE_DIR = {"transformer_fast": "transformer_fast", "transformer_fast.kernels": "kernels", "transformer_fast.csrc": "csrc"}
+
+
+def extension_modules():
+    """The C++ extension, or nothing when the build is skipped or torch is missing."""
+    if os.environ.get("TRANSFORMER_FAST_NO_BUILD") == "1":
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("transformer_fast: torch is not importable at build time; the C++ extension "
+              "will be JIT-built on first use", file=sys.stderr)
+        return [], {}
+    sources = [os.path.relpath(p, ROOT) for p in build_config["source_paths"](os.path.join(ROOT, "csrc"))]
+    ext = cpp_extension.CppExtension(
+        "transformer_fast._C",
+        sources,
+        extra_compile_args={"cxx": build_config["extra_cflags"]()},
+        extra_link_args=build_config["extra_ldflags"](),
+    )
+    return [ext], {"build_ext": _optional_build_ext(cpp_extension.BuildExtension)}
+
+
+def _optional_build_ext(base):
+    class OptionalBuildExtension(base):
+        """A failed compile must not fail the install: the JIT build or the reference take over."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - any compiler failure
+                print(f"transformer_fast: building the C++ extension failed ({exc}); "
+                      "it will be JIT-built on first use", file=sys.stderr)
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                print(f"transformer_fast: building {ext.name} failed ({exc}); "
+                      "it will be JIT-built on first use", file=sys.stderr)
+
+    return OptionalBuildExtension
+
+
+ext_modules, cmdclass = extension_modules()
+if ext_modules and shutil.which("ninja") is None:
+    print("transformer_fast: ninja not found; the build falls back to a slower serial compile", file=sys.stderr)
+
+setup(
+    name="transformer_fast",
+    version="0.1.0",
+    description="Fused softmax attention, LayerNorm and linear attention kernels for PyTorch (Triton + C++)",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data={"transformer_fast.csrc": ["*.cpp", "*.h"]},
+    # A range that the CPU wheel 2.13 satisfies; install torch first so pip never picks a CUDA build.
+    install_requires=["torch>=2.4,<2.15", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.2"],
+        "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja"],
+        "bench": ["matplotlib", "tqdm", "pytest-benchmark", "ninja"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

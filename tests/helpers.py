@@ -1,0 +1,61 @@
+"""The comparison policy shared by every kernel test.
+
+A kernel in dtype T is judged against the float64 reference: its error may be at most twice the
+error of the same reference computed in T (the policy flash-attention uses), plus a small
+absolute slack for results whose reference error happens to be ~0.
+"""
+import torch
+
+# Absolute slack per dtype: a few ulps at magnitude ~1, far below a real bug's error.
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float64: 1e-12}
+
+
+def max_error(a, b):
+    a, b = a.double(), b.double()
+    if a.shape != b.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return torch.where(both_nan, torch.zeros_like(a), (a - b).abs()).max().nan_to_num(nan=float("inf")).item()
+
+
+def assert_close_to_reference(actual, reference64, reference_lowp, *, what="output", factor=2.0, atol=None):
+    """actual: the kernel's result; reference64: the float64 reference; reference_lowp: the
+    reference computed in the kernel's dtype (from the same rounded inputs)."""
+    assert not torch.isnan(actual).any(), f"{what}: the kernel produced NaN"
+    atol = ATOL[actual.dtype] if atol is None else atol
+    err = max_error(actual, reference64)
+    ref_err = max_error(reference_lowp, reference64)
+    bound = factor * ref_err + atol
+    assert err <= bound, (f"{what}: max error {err:.3e} > {factor} x reference error {ref_err:.3e} "
+                          f"+ {atol:.1e} (dtype {actual.dtype})")
+
+
+def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, what="", factor=2.0, atol=None):
+    """Runs kernel_fn(*inputs) and reference_fn in float64 and in the inputs' dtype, checks the
+    output and the gradients w.r.t. the inputs at positions `grad_inputs` (a random upstream
+    gradient) with assert_close_to_reference. Non-tensor inputs pass through unchanged."""
+    def prepared(dtype):
+        out = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                x = x.detach().to(dtype) if dtype is not None else x.detach().clone()
+                x.requires_grad_(i in grad_inputs)
+            out.append(x)
+        return out
+
+    lowp = next(x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point())
+    args_k, args_64, args_lp = prepared(None), prepared(torch.float64), prepared(lowp)
+    out_k = kernel_fn(*args_k)
+    out_64 = reference_fn(*args_64)
+    out_lp = reference_fn(*args_lp)
+    assert_close_to_reference(out_k, out_64, out_lp, what=f"{what} output", factor=factor, atol=atol)
+    if grad_inputs:
+        dout = torch.randn_like(out_64)
+        g_k = torch.autograd.grad(out_k, [args_k[i] for i in grad_inputs], dout.to(out_k.dtype))
+        g_64 = torch.autograd.grad(out_64, [args_64[i] for i in grad_inputs], dout)
+        g_lp = torch.autograd.grad(out_lp, [args_lp[i] for i in grad_inputs], dout.to(out_lp.dtype))
+        for i, a, b, c in zip(grad_inputs, g_k, g_64, g_lp):
+            assert_close_to_reference(a, b, c, what=f"{what} grad of input {i}", factor=factor, atol=atol)
+    return out_k

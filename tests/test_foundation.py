@@ -1,0 +1,195 @@
+"""The package itself: imports, backend dispatch, input validation, the reference oracle."""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_fast as tf
+from transformer_fast import _dispatch, reference
+
+
+def test_kernels_installed_inside_the_package_only():
+    assert importlib.util.find_spec("transformer_fast.kernels") is not None
+    spec = importlib.util.find_spec("kernels")
+    # A top-level `kernels` must not come from us (a PyPI package of that name exists).
+    assert spec is None or "transformer_fast" not in (spec.origin or "") and \
+        os.path.dirname(os.path.dirname(tf.__file__)) not in (spec.origin or "")
+
+
+def test_available_backends_reports_reasons():
+    backends = tf.available_backends()
+    assert set(backends) == {"triton", "cpp", "reference"}
+    assert backends["reference"] is None
+    for name, reason in backends.items():
+        assert reason is None or isinstance(reason, str) and reason
+
+
+def test_select_backend():
+    cpu = torch.device("cpu")
+    assert _dispatch.select_backend(cpu, torch.float64, "auto") == "reference"  # no float64 kernels
+    assert _dispatch.select_backend(cpu, torch.float32, "reference") == "reference"
+    if tf.available_backends()["cpp"] is None:
+        assert _dispatch.select_backend(cpu, torch.float32, "auto") == "cpp"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _dispatch.select_backend(cpu, torch.float32, "cuda-magic")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        _dispatch.select_backend(cpu, torch.float64, "cpp")
+
+
+def test_backend_environment_variable(monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")
+    assert _dispatch.select_backend(torch.device("cpu"), torch.float32, "auto") == "reference"
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_reference_attention_matches_torch(is_causal):
+    q, k, v = (torch.randn(2, 3, 7, 16, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 1, 7, 7) > 0.3
+    mask[..., 0] = True  # every row keeps a key, so torch's output has no NaN
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=None if is_causal else mask, is_causal=is_causal)
+    got = reference.scaled_dot_product_attention(q, k, v, None if is_causal else mask, is_causal)
+    torch.testing.assert_close(got, expected)
+
+
+def test_reference_attention_padding_and_fully_masked_rows():
+    q, k, v = (torch.randn(2, 1, 4, 8, dtype=torch.float64) for _ in range(3))
+    pad = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    out = reference.scaled_dot_product_attention(q, k, v, key_padding_mask=pad)
+    expected0 = F.scaled_dot_product_attention(q[:1, :, :, :], k[:1, :, :2], v[:1, :, :2])
+    torch.testing.assert_close(out[:1], expected0)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # every key padded -> 0, not NaN
+
+
+def test_reference_layer_norm_matches_torch():
+    x = torch.randn(3, 5, 12, dtype=torch.float64) + 1e4
+    w, b = torch.randn(5, 12, dtype=torch.float64), torch.randn(5, 12, dtype=torch.float64)
+    torch.testing.assert_close(reference.layer_norm(x, (5, 12), w, b), F.layer_norm(x, (5, 12), w, b))
+    torch.testing.assert_close(reference.rms_norm(x, (12,), w[0], 1e-6), F.rms_norm(x, (12,), w[0], 1e-6))
+
+
+def test_reference_linear_attention_by_hand():
+    q, k, v = (torch.randn(1, 1, 5, 3, dtype=torch.float64) for _ in range(3))
+    phi = lambda x: F.elu(x) + 1  # noqa: E731
+    out = reference.linear_attention(q, k, v, is_causal=True)
+    for i in range(5):
+        num = sum(phi(q[0, 0, i]) @ phi(k[0, 0, j]) * v[0, 0, j] for j in range(i + 1))
+        den = sum(phi(q[0, 0, i]) @ phi(k[0, 0, j]) for j in range(i + 1)) + 1e-6
+        torch.testing.assert_close(out[0, 0, i], num / den)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad inputs: each class of mistake raises TypeError/ValueError naming the argument.
+# ------------------------------------------------------------------------------------------
+def _qkv(B=2, H=2, N=5, D=8):
+    return torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+
+
+@pytest.mark.parametrize("fn", [tf.scaled_dot_product_attention, tf.linear_attention])
+def test_attention_rejects_bad_inputs(fn):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+        fn(q.numpy(), k, v)
+    with pytest.raises(ValueError, match="query must have"):
+        fn(q[0, 0], k[0, 0], v[0, 0])
+    with pytest.raises(TypeError, match="dtype"):
+        fn(q, k.double(), v)
+    with pytest.raises(TypeError, match="floating-point"):
+        fn(q.long(), k.long(), v.long())
+    with pytest.raises(ValueError, match="batch"):
+        fn(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="head dim"):
+        fn(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="key length"):
+        fn(q, k, v[:, :, :3])
+    with pytest.raises(ValueError, match="head dim must be between"):
+        fn(torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 300), torch.randn(1, 1, 2, 8))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, key_len\)"):
+        fn(q, k, v, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
+        fn(q, k, v, key_padding_mask=torch.zeros(2, 5))
+
+
+def test_sdpa_rejects_bad_masks_and_args():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="does not broadcast"):
+        tf.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        tf.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dropout_p"):
+        tf.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tf.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tf.scaled_dot_product_attention(torch.randn(1, 3, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8),
+                                        enable_gqa=True)
+
+
+def test_linear_attention_rejects_causal_cross_attention():
+    with pytest.raises(ValueError, match="equal query and key lengths"):
+        tf.linear_attention(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
+
+
+def test_layer_norm_rejects_bad_inputs():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        tf.layer_norm(x, (5,))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        tf.layer_norm(x, (6,), weight=torch.ones(5))
+    with pytest.raises(TypeError, match="residual has dtype"):
+        tf.layer_norm(x, (6,), residual=x.double())
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        tf.layer_norm(x, (6,), residual=x[:2])
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        tf.layer_norm([1.0], (1,))
+
+
+def test_linear_attention_step_rejects_bad_state():
+    q = torch.randn(2, 3, 4)
+    _, state = tf.linear_attention_step(q, q, q)
+    with pytest.raises(ValueError, match="state must hold"):
+        tf.linear_attention_step(q[:1], q[:1], q[:1], state)
+
+
+# ------------------------------------------------------------------------------------------
+# torch.library registration of every op
+# ------------------------------------------------------------------------------------------
+def _op_cases(backend):
+    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
+    pad = torch.tensor([[False] * 5, [False, False, True, True, True]])
+    x, r = torch.randn(6, 16, requires_grad=True), torch.randn(6, 16, requires_grad=True)
+    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    ops = torch.ops.transformer_fast
+    return [
+        (ops.attention_forward, (q, k, v, None, pad, True, 0.3, 0.0, 0, backend)),
+        (ops.layer_norm_forward, (x, r, w, b, 1e-5, False, backend)),
+        (ops.layer_norm_forward, (x, None, w, None, 1e-5, True, backend)),
+        (ops.linear_attention_forward, (q, k, v, pad, True, 1e-6, backend)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_opcheck(backend):
+    if tf.available_backends()[backend] is not None:
+        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
+    for op, args in _op_cases(backend):
+        torch.library.opcheck(op, args)
+
+
+def test_gpu_compile_check_runs_every_config(tmp_path):
+    """Every Triton kernel config compiles to sm_80 and sm_90 cubins (no GPU needed)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    report = tmp_path / "compile.json"
+    result = subprocess.run([sys.executable, "-m", "transformer_fast.kernels.compile_check", "--json", str(report)],
+                            env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    import json
+
+    cases = json.loads(report.read_text())["cases"]
+    assert all(c["registers"] > 0 for c in cases)
+    assert math.isfinite(sum(c["seconds"] for c in cases))

@@ -1,0 +1,190 @@
+"""The one place that decides which backend runs a kernel.
+
+Backends:
+  * ``triton``    - the kernels in ``transformer_fast.kernels`` (CUDA tensors; CPU tensors only
+                    under ``TRITON_INTERPRET=1``, which is how CI tests them);
+  * ``cpp``       - the C++ extension ``transformer_fast._C`` (CPU tensors);
+  * ``reference`` - the plain PyTorch code in ``transformer_fast.reference`` (anything).
+
+``select_backend`` picks one per call; ``kernel`` returns that backend's implementation of a
+kernel-level function. Everything else in the package goes through these two functions.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("triton", "cpp", "reference")
+_ENV_BACKEND = "TRANSFORMER_FAST_BACKEND"
+
+# Kernel-level functions and the family module that defines them in each backend.
+_FAMILY = {
+    "attention_forward": "attention",
+    "attention_backward": "attention",
+    "layer_norm_forward": "layer_norm",
+    "layer_norm_backward": "layer_norm",
+    "linear_attention_forward": "linear_attention",
+    "linear_attention_backward": "linear_attention",
+}
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading the backends (each once per process; the failure reason is kept for the report)
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _load_triton():
+    """Returns (module, None) or (None, reason)."""
+    try:
+        import triton  # noqa: F401
+
+        return importlib.import_module("transformer_fast.kernels"), None
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _csrc_dir():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if os.path.isfile(os.path.join(candidate, "bindings.cpp")):
+            return candidate
+    return None
+
+
+def _jit_build():
+    """Builds csrc/ with torch.utils.cpp_extension.load into a cache directory keyed on the
+    source folder, the flags and the torch version; ninja rebuilds what changed."""
+    from torch.utils import cpp_extension
+
+    from . import _build_config
+
+    csrc = _csrc_dir()
+    if csrc is None:
+        raise RuntimeError("the C++ sources (csrc/) are not shipped with this installation")
+    key = "|".join([os.path.realpath(csrc), " ".join(_build_config.extra_cflags()), torch.__version__])
+    cache_root = os.environ.get(
+        "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
+    build_dir = os.path.join(cache_root, hashlib.sha256(key.encode()).hexdigest()[:16])
+    os.makedirs(build_dir, exist_ok=True)
+    return cpp_extension.load(
+        name="transformer_fast_C",
+        sources=_build_config.source_paths(csrc),
+        extra_cflags=_build_config.extra_cflags(),
+        extra_ldflags=_build_config.extra_ldflags(),
+        build_directory=build_dir,
+        verbose=os.environ.get("TRANSFORMER_FAST_VERBOSE_BUILD") == "1",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cpp():
+    """Returns (module, None) or (None, reason). Loaded once: a second cpp_extension.load of
+    the same extension in one process is not safe, so the result is cached for good."""
+    try:
+        from . import _C  # built by setup.py
+
+        return _C, None
+    except ImportError as exc:
+        prebuilt_error = exc
+    try:
+        return _jit_build(), None
+    except Exception as exc:  # noqa: BLE001 - compiler missing, build error, ...
+        reason = (f"no prebuilt transformer_fast._C ({prebuilt_error}) and the JIT build failed: "
+                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        warnings.warn(f"transformer_fast: the C++ backend is unavailable, CPU tensors use the "
+                      f"reference implementation instead. Cause: {reason}", RuntimeWarning, stacklevel=3)
+        return None, reason
+
+
+def cpp_extension():
+    """The loaded C++ extension module (raises RuntimeError with the cause if unavailable)."""
+    module, reason = _load_cpp()
+    if module is None:
+        raise RuntimeError(f"the C++ backend is unavailable: {reason}")
+    return module
+
+
+# The dtypes each compiled backend has kernels for; the reference takes any floating dtype.
+_DTYPES = {
+    "triton": (torch.float16, torch.bfloat16, torch.float32),
+    "cpp": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+def _unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None) -> str | None:
+    """Why `backend` cannot run on `device`/`dtype` (None: it can). None asks about any."""
+    if backend == "reference":
+        return None
+    if backend in _DTYPES and dtype is not None and dtype not in _DTYPES[backend]:
+        return f"it has no {dtype} kernels (supported: {', '.join(str(d) for d in _DTYPES[backend])})"
+    if backend == "triton":
+        _, reason = _load_triton()
+        if reason is not None:
+            return reason
+        if device is None:
+            return None if (torch.cuda.is_available() or triton_interpreting()) else \
+                "no CUDA device, and TRITON_INTERPRET=1 is not set"
+        if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
+            return None
+        return f"Triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
+    if backend == "cpp":
+        _, reason = _load_cpp()
+        if reason is not None:
+            return reason
+        if device is not None and device.type != "cpu":
+            return f"the C++ extension has CPU kernels only, got {device.type} tensors"
+        return None
+    raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+
+
+def available_backends() -> dict:
+    """{backend: None if it works on this machine, else the reason it does not}."""
+    return {name: _unavailable_reason(name, None) for name in BACKENDS}
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto") -> str:
+    """Chooses the backend for tensors of `dtype` on `device`.
+
+    `requested` is a backend name or "auto"; "auto" reads TRANSFORMER_FAST_BACKEND and otherwise
+    prefers Triton on CUDA, C++ on CPU, and the reference where neither works. An explicitly
+    requested backend that cannot run raises RuntimeError with the reason.
+    """
+    if requested is None or requested == "auto":
+        requested = os.environ.get(_ENV_BACKEND, "auto") or "auto"
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
+        reason = _unavailable_reason(requested, device, dtype)
+        if reason is not None:
+            raise RuntimeError(f"backend {requested!r} is unavailable for {dtype} {device.type} tensors: {reason}")
+        return requested
+    preference = ("triton", "cpp") if device.type == "cuda" else ("cpp",)
+    for name in preference:
+        if _unavailable_reason(name, device, dtype) is None:
+            return name
+    return "reference"
+
+
+def kernel(name: str, backend: str):
+    """The implementation of kernel-level function `name` in `backend`."""
+    if backend == "cpp":
+        return getattr(cpp_extension(), name)
+    if backend == "triton":
+        module, reason = _load_triton()
+        if module is None:
+            raise RuntimeError(f"the Triton backend is unavailable: {reason}")
+        family = importlib.import_module(f"transformer_fast.kernels.{_FAMILY[name]}")
+        return getattr(family, name)
+    if backend == "reference":
+        from . import _reference_kernels
+
+        return getattr(_reference_kernels, name)
+    raise ValueError(f"unknown backend {backend!r}")

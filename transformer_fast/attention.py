@@ -1,0 +1,152 @@
+"""Softmax attention: the public ``scaled_dot_product_attention`` and its custom op.
+
+The kernels (``kernels/attention.py`` for Triton, ``csrc/attention.cpp`` for C++) share one
+signature:
+
+    attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+        -> (out, lse)
+    attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
+                       dropout_p, seed) -> (dq, dk, dv)
+
+q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv) with any strides but a unit last-dim
+stride, Hk dividing H; attn_mask None or a (B, H, Nq, Nk) view (stride 0 on broadcast dims),
+bool (True = allowed) or float (added); key_padding_mask None or (B, Nk) bool (True = padded).
+out is (B, H, Nq, Dv) contiguous in q's dtype; lse (B, H, Nq) float32 is each row's log-sum-exp
+of the scaled, masked scores, +inf for rows with no allowed key (so exp(s - lse) is 0 there).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _dispatch
+from ._validation import (broadcast_attn_mask, check_dim, check_head_dim, check_key_padding_mask,
+                          check_same, check_tensor)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: the backend is resolved by the caller and passed in, so the backward runs the
+# same backend as the forward.
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("transformer_fast::attention_forward", mutates_args=())
+def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                          is_causal: bool, scale: float, dropout_p: float, seed: int,
+                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Nq, _ = q.shape
+    if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
+        out = q.new_zeros(B, H, Nq, v.shape[-1])
+        return out, torch.full((B, H, Nq), float("inf"), dtype=torch.float32, device=q.device)
+    return _dispatch.kernel("attention_forward", backend)(
+        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+    B, H, Nq, _ = q.shape
+    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
+
+
+@torch.library.custom_op("transformer_fast::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                           key_padding_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+                           dropout_p: float, seed: int,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _dispatch.kernel("attention_backward", backend)(
+        dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
+    ctx.args = (is_causal, scale, dropout_p, seed, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, attn_mask, key_padding_mask, *ctx.args)
+    # No gradient for the masks (a float attn_mask is treated as a constant bias), the flags or the seed.
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def _dropout_seed(dropout_p):
+    """A seed for in-kernel dropout, drawn from torch's default generator (so torch.manual_seed
+    makes runs repeatable); 0 when there is no dropout."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False, *, key_padding_mask=None, backend="auto"):
+    """Fused softmax attention, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``softmax(query @ key^T * scale + bias) @ value`` for (B, H, N, D) tensors (or (H, N, D),
+    treated as B = 1), where bias combines:
+      * ``is_causal``: query i attends to keys j <= i (top-left aligned, as in PyTorch);
+      * ``attn_mask``: bool (True = may attend) or float (added to the scores), any shape that
+        broadcasts to (B, H, Nq, Nk); read in place, never expanded in memory;
+      * ``key_padding_mask``: (B, Nk) bool, True = padded key (``nn.MultiheadAttention``'s
+        convention), read per tile.
+    Query rows with no allowed key give 0 (and 0 gradient). ``enable_gqa=True`` lets key/value
+    have fewer heads than query (a divisor). ``backend``: "auto", "triton", "cpp" or "reference".
+    Masks receive no gradient.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=(3, 4))
+    if not query.dim() == key.dim() == value.dim():
+        raise ValueError(f"query, key and value must have the same number of dimensions, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if query.dim() == 3:  # (H, N, D): one unbatched sequence
+        if key_padding_mask is not None and key_padding_mask.dim() == 1:
+            key_padding_mask = key_padding_mask[None]
+        return scaled_dot_product_attention(
+            query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, backend=backend)[0]
+    check_same("key", key, "query", query)
+    check_same("value", value, "query", query)
+    B, H, Nq, D = query.shape
+    Hk, Nk = key.shape[1], key.shape[2]
+    check_dim("key", key, 0, B, "batch")
+    check_dim("value", value, 0, B, "batch")
+    check_dim("value", value, 1, Hk, "heads, as key")
+    check_dim("value", value, 2, Nk, "key length, as key")
+    check_dim("key", key, 3, D, "head dim, as query")
+    if Hk != H and not (enable_gqa and Hk > 0 and H % Hk == 0):
+        raise ValueError(f"key has {Hk} heads and query {H}: they must be equal, or pass enable_gqa=True "
+                         f"with key heads dividing query heads")
+    check_head_dim("query", D)
+    check_head_dim("value", value.shape[3])
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    attn_mask = broadcast_attn_mask(attn_mask, (B, H, Nq, Nk), query)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
+
+    # The kernels need a unit stride along the head dim; any other stride is passed through as is.
+    query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+                         for t in (query, key, value))
+    backend = _dispatch.select_backend(query.device, query.dtype, backend)
+    scale = float(D ** -0.5 if scale is None else scale)
+    out, _ = _attention_forward_op(query, key, value, attn_mask, key_padding_mask, bool(is_causal), scale,
+                                   float(dropout_p), _dropout_seed(dropout_p), backend)
+    return out

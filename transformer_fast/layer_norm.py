@@ -1,0 +1,164 @@
+"""LayerNorm and RMSNorm with the residual add fused in: the public functions, their custom ops
+and the drop-in ``LayerNorm``/``RMSNorm`` modules.
+
+The kernels (``kernels/layer_norm.py``, ``csrc/layer_norm.cpp``) work on rows:
+
+    layer_norm_forward(x, residual, weight, bias, eps, is_rms) -> (y, h, mean, rstd)
+    layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms) -> (dx, dweight, dbias)
+
+x, residual, dy, dh are (M, N) with unit stride along N and any row stride; weight and bias
+(N,) or None. h = x + residual (rounded to x's dtype; None without a residual) is the input the
+statistics are taken of; y = (h - mean) * rstd * weight + bias (RMSNorm: mean is None and
+y = h * rstd * weight). mean and rstd are (M,) float32. In the backward, `h` is the normalised
+input (x itself without a residual) and dh the gradient arriving at the h output (or None); dx
+is then also the residual's gradient. dweight/dbias are None when weight/bias are.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _dispatch
+from ._validation import as_rows, check_same, check_tensor
+
+
+# Custom ops cannot return None, so absent tensors travel as empty 1-D tensors.
+def _empty(ref):
+    return ref.new_empty(0)
+
+
+@torch.library.custom_op("transformer_fast::layer_norm_forward", mutates_args=())
+def _layer_norm_forward_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                           bias: Optional[torch.Tensor], eps: float, is_rms: bool,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.shape[0] == 0:
+        stats = x.new_empty(0, dtype=torch.float32)
+        return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
+    y, h, mean, rstd = _dispatch.kernel("layer_norm_forward", backend)(x, residual, weight, bias, eps, is_rms)
+    return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
+
+
+@_layer_norm_forward_op.register_fake
+def _(x, residual, weight, bias, eps, is_rms, backend):
+    M = x.shape[0]
+    h = x.new_empty(x.shape) if residual is not None else _empty(x)
+    mean = _empty(x).float() if is_rms else x.new_empty(M, dtype=torch.float32)
+    return x.new_empty(x.shape), h, mean, x.new_empty(M, dtype=torch.float32)
+
+
+@torch.library.custom_op("transformer_fast::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
+                            weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], mean: torch.Tensor,
+                            rstd: torch.Tensor, eps: float, is_rms: bool,
+                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if h.shape[0] == 0:
+        dw = torch.zeros_like(weight) if weight is not None else _empty(h)
+        db = torch.zeros_like(bias) if bias is not None else _empty(h)
+        return torch.zeros_like(h), dw, db
+    dx, dweight, dbias = _dispatch.kernel("layer_norm_backward", backend)(
+        dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
+    return dx, (_empty(h) if dweight is None else dweight), (_empty(h) if dbias is None else dbias)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, dh, h, weight, bias, mean, rstd, eps, is_rms, backend):
+    return (h.new_empty(h.shape), torch.empty_like(weight) if weight is not None else _empty(h),
+            torch.empty_like(bias) if bias is not None else _empty(h))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, is_rms, backend = inputs
+    _, h, mean, rstd = output
+    # Only the statistics are saved besides the input (never a normalised copy of it).
+    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
+    ctx.args = (eps, is_rms, backend)
+    ctx.has_residual = residual is not None
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    dh = dh if ctx.has_residual else None
+    dx, dweight, dbias = _layer_norm_backward_op(dy, dh, h, weight, bias, mean, rstd, *ctx.args)
+    return (dx, dx if ctx.has_residual else None, dweight if weight is not None else None,
+            dbias if bias is not None else None, None, None, None)
+
+
+_layer_norm_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend):
+    name = "rms_norm" if is_rms else "layer_norm"
+    check_tensor("input", x)
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (int(normalized_shape),)
+    normalized_shape = tuple(normalized_shape)
+    if len(normalized_shape) == 0 or x.dim() < len(normalized_shape) or \
+            tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape:
+        raise ValueError(f"{name}: input of shape {tuple(x.shape)} does not end with normalized_shape "
+                         f"{normalized_shape}")
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_tensor(pname, p)
+        if tuple(p.shape) != normalized_shape:
+            raise ValueError(f"{name}: {pname} must have shape normalized_shape = {normalized_shape}, "
+                             f"got {tuple(p.shape)}")
+        check_same(pname, p, "input", x, dtype=False)
+        if p.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{name}: {pname} must have the input's dtype {x.dtype} or float32, got {p.dtype}")
+    if residual is not None:
+        check_tensor("residual", residual)
+        check_same("residual", residual, "input", x)
+        if residual.shape != x.shape:
+            raise ValueError(f"{name}: residual must have the input's shape {tuple(x.shape)}, "
+                             f"got {tuple(residual.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+
+    width = 1
+    for s in normalized_shape:
+        width *= s
+    backend = _dispatch.select_backend(x.device, x.dtype, backend)
+    y, h, _, _ = _layer_norm_forward_op(
+        as_rows(x, width), None if residual is None else as_rows(residual, width),
+        None if weight is None else weight.reshape(width), None if bias is None else bias.reshape(width),
+        float(eps), is_rms, backend)
+    y = y.view(x.shape)
+    return y if residual is None else (y, h.view(x.shape))
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, backend="auto"):
+    """Fused LayerNorm, a drop-in for ``torch.nn.functional.layer_norm``.
+
+    With ``residual``, computes ``h = input + residual`` and ``layer_norm(h)`` in one pass and
+    returns ``(layer_norm(h), h)`` (the pre-norm residual stream). Statistics are float32.
+    """
+    return _normalize(input, normalized_shape, weight, bias, eps, residual, False, backend)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, backend="auto"):
+    """Fused RMSNorm, a drop-in for ``torch.nn.functional.rms_norm``: ``h / sqrt(mean(h^2) + eps)
+    * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``."""
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 1e-6
+    return _normalize(input, normalized_shape, weight, None, eps, residual, True, backend)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` (same constructor, parameters and state dict) running the fused
+    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
+
+    def forward(self, input, residual=None):
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+
+
+class RMSNorm(nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` (same constructor, parameters and state dict) running the fused
+    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
+
+    def forward(self, input, residual=None):
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)

@@ -1,0 +1,138 @@
+"""Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs") with the feature map
+phi(x) = elu(x) + 1: the public functions, the custom op, and the recurrent step for decoding.
+
+The kernels (``kernels/linear_attention.py``, ``csrc/linear_attention.cpp``) share one signature:
+
+    linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps) -> out
+    linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps) -> (dq, dk, dv)
+
+q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv), any strides with a unit last-dim stride
+(Nq == Nk when causal); key_padding_mask None or (B, Nk) bool (True = padded, left out of the
+sums). out is (B, H, Nq, Dv) contiguous in q's dtype; the state S, z is kept in float32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _dispatch
+from ._validation import check_dim, check_head_dim, check_key_padding_mask, check_same, check_tensor
+
+
+@torch.library.custom_op("transformer_fast::linear_attention_forward", mutates_args=())
+def _linear_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
+                                 backend: str) -> torch.Tensor:
+    B, H, Nq, _ = q.shape
+    if Nq == 0 or k.shape[2] == 0:  # empty sums: out = 0 / eps = 0
+        return q.new_zeros(B, H, Nq, v.shape[-1])
+    return _dispatch.kernel("linear_attention_forward", backend)(q, k, v, key_padding_mask, is_causal, eps)
+
+
+@_linear_attention_forward_op.register_fake
+def _(q, k, v, key_padding_mask, is_causal, eps, backend):
+    B, H, Nq, _ = q.shape
+    return q.new_empty(B, H, Nq, v.shape[-1])
+
+
+@torch.library.custom_op("transformer_fast::linear_attention_backward", mutates_args=())
+def _linear_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
+                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _dispatch.kernel("linear_attention_backward", backend)(dout, q, k, v, key_padding_mask, is_causal, eps)
+
+
+@_linear_attention_backward_op.register_fake
+def _(dout, q, k, v, key_padding_mask, is_causal, eps, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, is_causal, eps, backend = inputs
+    ctx.save_for_backward(q, k, v, key_padding_mask)  # the backward recomputes the state
+    ctx.args = (is_causal, eps, backend)
+
+
+def _backward(ctx, dout):
+    q, k, v, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = _linear_attention_backward_op(dout, q, k, v, key_padding_mask, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_linear_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, backend="auto"):
+    """Linear attention with phi(x) = elu(x) + 1, computed in O(N) time and memory:
+
+        out_i = phi(q_i) S / (phi(q_i) . z + eps),  S = sum_j phi(k_j)^T v_j,  z = sum_j phi(k_j)
+
+    with the sums over unpadded keys (``key_padding_mask`` (B, Nk) bool, True = padded), and over
+    j <= i when ``is_causal`` (which needs equal query and key lengths). Layout (B, H, N, D).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=4)
+    check_same("key", key, "query", query)
+    check_same("value", value, "query", query)
+    B, H, Nq, D = query.shape
+    Nk = key.shape[2]
+    check_dim("key", key, 0, B, "batch")
+    check_dim("key", key, 1, H, "heads")
+    check_dim("key", key, 3, D, "head dim, as query")
+    check_dim("value", value, 0, B, "batch")
+    check_dim("value", value, 1, H, "heads")
+    check_dim("value", value, 2, Nk, "key length, as key")
+    check_head_dim("query", D)
+    check_head_dim("value", value.shape[3])
+    if is_causal and Nq != Nk:
+        raise ValueError(f"causal linear attention needs equal query and key lengths, got {Nq} and {Nk}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (it keeps the normaliser away from zero), got {eps}")
+    key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
+    query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+                         for t in (query, key, value))
+    backend = _dispatch.select_backend(query.device, query.dtype, backend)
+    return _linear_attention_forward_op(query, key, value, key_padding_mask, bool(is_causal), float(eps), backend)
+
+
+class LinearAttentionState(NamedTuple):
+    """The recurrent state of causal linear attention: S = sum phi(k)^T v (B, H, D, Dv) and
+    z = sum phi(k) (B, H, D), float32, summed over the tokens seen so far."""
+    S: torch.Tensor
+    z: torch.Tensor
+
+
+def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
+    """One decoding step of causal linear attention, O(D * Dv) whatever the position.
+
+    ``query``/``key`` (B, H, D) and ``value`` (B, H, Dv) are the new token's; ``state`` is the
+    previous ``LinearAttentionState`` (None starts from zeros). Returns ``(out (B, H, Dv), state)``.
+    Running it over a sequence equals ``linear_attention(..., is_causal=True)``.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=3)
+    check_same("key", key, "query", query)
+    check_same("value", value, "query", query)
+    B, H, D = query.shape
+    if tuple(key.shape) != (B, H, D):
+        raise ValueError(f"key must have the query's shape (B, H, D) = {(B, H, D)}, got {tuple(key.shape)}")
+    if tuple(value.shape[:2]) != (B, H):
+        raise ValueError(f"value must have shape (B, H, Dv) with (B, H) = {(B, H)}, got {tuple(value.shape)}")
+    Dv = value.shape[2]
+    if state is None:
+        state = LinearAttentionState(query.new_zeros(B, H, D, Dv, dtype=torch.float32),
+                                     query.new_zeros(B, H, D, dtype=torch.float32))
+    elif tuple(state.S.shape) != (B, H, D, Dv) or tuple(state.z.shape) != (B, H, D):
+        raise ValueError(f"state must hold S of shape {(B, H, D, Dv)} and z of shape {(B, H, D)}, got "
+                         f"{tuple(state.S.shape)} and {tuple(state.z.shape)}")
+    phi_q = F.elu(query.float()) + 1
+    phi_k = F.elu(key.float()) + 1
+    S = state.S + phi_k[..., :, None] * value.float()[..., None, :]
+    z = state.z + phi_k
+    numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
+    denominator = (phi_q * z).sum(-1, keepdim=True) + eps
+    return (numerator / denominator).to(query.dtype), LinearAttentionState(S, z)

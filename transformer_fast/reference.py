@@ -1,0 +1,97 @@
+"""Naive, obviously-correct PyTorch implementations: the oracle every kernel is tested against.
+
+They work in any dtype (float64 included), materialise everything (the full score matrix, the
+causal mask), and favour readability over speed. Do not optimise them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_bias(nq, nk, *, batch=1, heads=1, attn_mask=None, key_padding_mask=None,
+                   is_causal=False, dtype=torch.float32, device=None):
+    """The additive bias (0 = allowed, -inf = masked, or a float mask's values), shape
+    (B, H, Nq, Nk), combining a causal mask (top-left aligned: query i sees keys j <= i),
+    a key-padding mask (B, Nk; True = padded) and a bool (True = allowed) or float attn_mask."""
+    bias = torch.zeros(batch, heads, nq, nk, dtype=dtype, device=device)
+    if is_causal:
+        allowed = torch.ones(nq, nk, dtype=torch.bool, device=device).tril()
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    if key_padding_mask is not None:
+        bias = bias.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = bias.masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias = bias + attn_mask.to(dtype)
+    return bias
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
+                                 *, key_padding_mask=None, dropout_mask=None, dropout_p=0.0):
+    """softmax(Q K^T * scale + bias) V for (B, H, N, D) tensors.
+
+    Query rows with no allowed key return 0 (PyTorch >= 2.5 convention), not NaN.
+    `key`/`value` may have fewer heads than `query` (grouped-query attention).
+    `dropout_mask` (bool, True = kept, broadcastable to (B, H, Nq, Nk)) applies dropout with
+    probability `dropout_p` to the attention probabilities, scaling the kept ones by 1/(1-p).
+    """
+    B, H, Nq, D = query.shape
+    Nk = key.shape[-2]
+    if key.shape[1] != H:  # grouped-query attention: each key/value head serves H // Hk queries
+        key = key.repeat_interleave(H // key.shape[1], dim=1)
+        value = value.repeat_interleave(H // value.shape[1], dim=1)
+    scale = D ** -0.5 if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * scale
+    scores = scores + attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=attn_mask,
+                                     key_padding_mask=key_padding_mask, is_causal=is_causal,
+                                     dtype=scores.dtype, device=scores.device)
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows with every key masked: 0, not NaN
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    return probs @ value
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, residual=None):
+    """y = (h - mean) / sqrt(var + eps) * weight + bias over the last len(normalized_shape) dims,
+    with h = x (+ residual) and the biased variance. Returns y, or (y, h) with a residual."""
+    h = x if residual is None else x + residual
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    mean = h.mean(dim=dims, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=dims, keepdim=True)
+    y = (h - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else (y, h)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=1e-6, residual=None):
+    """y = h / sqrt(mean(h^2) + eps) * weight, h = x (+ residual). Returns y, or (y, h)."""
+    h = x if residual is None else x + residual
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    y = h / torch.sqrt((h * h).mean(dim=dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y if residual is None else (y, h)
+
+
+def elu_feature_map(x):
+    """phi(x) = elu(x) + 1 > 0 (Katharopoulos et al. 2020)."""
+    return F.elu(x) + 1
+
+
+def linear_attention(query, key, value, is_causal=False, key_padding_mask=None, eps=1e-6):
+    """out_i = sum_j phi(q_i).phi(k_j) v_j / (sum_j phi(q_i).phi(k_j) + eps), the sums over all
+    unpadded keys j, or over j <= i when causal. Written as the plain O(N^2) masked product so
+    that it does not share the cumulative-sum trick with the kernels it checks."""
+    Nq, Nk = query.shape[-2], key.shape[-2]
+    similarity = elu_feature_map(query) @ elu_feature_map(key).transpose(-2, -1)  # (B, H, Nq, Nk)
+    if is_causal:
+        similarity = similarity * torch.ones(Nq, Nk, dtype=similarity.dtype, device=similarity.device).tril()
+    if key_padding_mask is not None:
+        similarity = similarity * (~key_padding_mask)[:, None, None, :].to(similarity.dtype)
+    return (similarity @ value) / (similarity.sum(dim=-1, keepdim=True) + eps)
