@@ -47,8 +47,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     scores = scores + attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=attn_mask,
                                      key_padding_mask=key_padding_mask, is_causal=is_causal,
                                      dtype=scores.dtype, device=scores.device)
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows with every key masked: 0, not NaN
+    # Rows with every key masked give 0 (and 0 gradient), not the NaN of softmax over all -inf.
+    no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0)
     if dropout_mask is not None:
         probs = probs * dropout_mask / (1.0 - dropout_p)
     return probs @ value
