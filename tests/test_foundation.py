@@ -21,6 +21,24 @@ def test_kernels_installed_inside_the_package_only():
         os.path.dirname(os.path.dirname(tf.__file__)) not in (spec.origin or "")
 
 
+def test_non_editable_install_has_no_top_level_kernels(tmp_path):
+    """`pip install .` (not editable) installs kernels/ as transformer_fast.kernels and csrc/ beside it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target = tmp_path / "site"
+    env = dict(os.environ, TRANSFORMER_FAST_NO_BUILD="1")
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                             "--no-compile", "--target", str(target), root],
+                            env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")) == ["transformer_fast"]
+    code = ("import transformer_fast.kernels, transformer_fast._dispatch as d, os; "
+            "assert transformer_fast.kernels.__file__.startswith(os.environ['PYTHONPATH']); "
+            "assert d._csrc_dir().startswith(os.environ['PYTHONPATH']); print('OK')")
+    result = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(target)),
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
 def test_available_backends_reports_reasons():
     backends = tf.available_backends()
     assert set(backends) == {"triton", "cpp", "reference"}
@@ -193,3 +211,48 @@ def test_gpu_compile_check_runs_every_config(tmp_path):
     cases = json.loads(report.read_text())["cases"]
     assert all(c["registers"] > 0 for c in cases)
     assert math.isfinite(sum(c["seconds"] for c in cases))
+
+
+# ------------------------------------------------------------------------------------------
+# Degraded environments: no Triton, no compiler. Run in subprocesses so this process keeps its backends.
+# ------------------------------------------------------------------------------------------
+def _run_python(code, tmp_path, extra_env=None):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+
+
+def test_import_without_triton(tmp_path):
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, transformer_fast as tf\n"
+            "reason = tf.available_backends()['triton']\n"
+            "assert reason and 'triton' in reason.lower(), reason\n"
+            "q = torch.randn(1, 2, 3, 8)\n"
+            "torch.testing.assert_close(tf.scaled_dot_product_attention(q, q, q),\n"
+            "                           torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
+            "print('OK')")
+    result = _run_python(code, tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_without_compiler_falls_back_to_reference_with_one_warning(tmp_path):
+    """No prebuilt extension and a JIT build that cannot compile: CPU tensors use the reference,
+    and the package says so once, naming the cause."""
+    code = ("import sys, warnings; sys.modules['transformer_fast._C'] = None\n"
+            "import torch, transformer_fast as tf\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    q = torch.randn(1, 2, 3, 8)\n"
+            "    out = [tf.scaled_dot_product_attention(q, q, q) for _ in range(3)]\n"
+            "    x = tf.layer_norm(q, (8,))\n"
+            "messages = [str(w.message) for w in caught if 'C++ backend is unavailable' in str(w.message)]\n"
+            "assert len(messages) == 1, messages\n"
+            "assert 'Cause:' in messages[0]\n"
+            "assert tf.available_backends()['cpp'] is not None\n"
+            "torch.testing.assert_close(out[0], torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
+            "print('OK')")
+    result = _run_python(code, tmp_path, {"CXX": "/nonexistent/c++", "CC": "/nonexistent/cc",
+                                          "TRANSFORMER_FAST_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
