@@ -150,3 +150,24 @@ def test_unsupported_options_raise():
 def test_importing_transformer_fast_does_not_import_transformers():
     code = "import sys, transformer_fast; assert 'transformers' not in sys.modules, 'transformers was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_llama_grouped_query_attention_with_left_padding(count_kernel_calls):
+    """A decoder-only model with grouped-query attention (4 query heads, 2 key/value heads),
+    causal masks combined with left padding, and greedy generation with a cache."""
+    config = transformers.LlamaConfig(
+        vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ref, ours = pair(transformers.LlamaForCausalLM, config)
+    ids = torch.randint(3, 89, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    ids[mask == 0] = 0
+    out_r = ref(input_ids=ids, attention_mask=mask).logits
+    out_o = ours(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()  # padded query rows attend to nothing: compare the real tokens
+    torch.testing.assert_close(out_o[keep], out_r[keep], **TOL)
+    assert any(c.get("enable_gqa") for c in count_kernel_calls)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))

@@ -134,9 +134,10 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         attention = getattr(self, "attention", "softmax")
-        if attention == "softmax" and (need_weights or self.head_dim > MAX_HEAD_DIM):
+        if attention == "softmax" and (need_weights or self.head_dim > MAX_HEAD_DIM or query.is_nested):
             # The weights need the unfused computation: torch's own (which takes an attn_mask
-            # with is_causal; we accept is_causal alone and build the mask for it).
+            # with is_causal; we accept is_causal alone and build the mask for it). So do head
+            # dims beyond the kernels' limit and nested-tensor inputs.
             if is_causal and attn_mask is None:
                 nq = query.shape[1 if (self.batch_first and query.dim() == 3) else 0]
                 nk = key.shape[1 if (self.batch_first and key.dim() == 3) else 0]
