@@ -539,3 +539,31 @@ def test_bad_inputs_raise_clear_errors():
         mha(x, x, x, attn_mask=torch.zeros(S, S, dtype=torch.int64), need_weights=False)
     with pytest.raises(ValueError, match="attention"):
         tf.TransformerEncoderLayer(E, H, attention="relu")
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_residual_adds_are_fused_into_the_norms(monkeypatch, norm_first):
+    """Every residual add goes into a LayerNorm kernel call (pre-norm: across layers too, the last
+    one into the final norm), and a causal hint reaches the kernel as is_causal, without a mask."""
+    import sys
+
+    ln_module = sys.modules["transformer_fast.layer_norm"]
+    norm_calls, attention_calls = [], []
+    layer_norm = ln_module.layer_norm
+
+    def spy_norm(*args, residual=None, **kwargs):
+        norm_calls.append(residual is not None)
+        return layer_norm(*args, residual=residual, **kwargs)
+
+    def spy_attention(q, k, v, **kwargs):
+        attention_calls.append(kwargs)
+        return tf.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ln_module, "layer_norm", spy_norm)
+    monkeypatch.setattr(tfm, "scaled_dot_product_attention", spy_attention)
+    enc = tf.TransformerEncoder(tf.TransformerEncoderLayer(E, H, 40, 0.0, norm_first=norm_first), 3, tf.LayerNorm(E))
+    x = seq(S, B, False)
+    enc(x, mask=nn.Transformer.generate_square_subsequent_mask(S))
+    assert len(norm_calls) == 7
+    assert norm_calls == ([False] + [True] * 6 if norm_first else [True] * 6 + [False])
+    assert all(c["is_causal"] and c["attn_mask"] is None for c in attention_calls) and len(attention_calls) == 3
