@@ -29,7 +29,10 @@ Differences from torch: ``is_causal=True`` is accepted without an ``attn_mask`` 
 ``TransformerEncoder`` never converts to nested tensors (``enable_nested_tensor`` is accepted and
 ignored), so in eval mode under ``torch.no_grad`` the outputs at padded positions are computed
 like every other position (torch's nested fast path returns 0 there); fully masked query rows
-give 0 (as torch's ``need_weights=False`` path does).
+give 0 (as torch's ``need_weights=False`` path does); with ``add_bias_kv``/``add_zero_attn``,
+``is_causal=True`` means the causal mask with the appended keys visible to every query (what
+torch computes with ``need_weights=True``; its ``need_weights=False`` path hides them too).
+Inputs that are nested tensors, or head dims above the kernels' limit, run torch's implementation.
 """
 from __future__ import annotations
 
