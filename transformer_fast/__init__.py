@@ -8,6 +8,9 @@ from ._dispatch import available_backends
 from .attention import scaled_dot_product_attention
 from .layer_norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step
+from .modules import (MultiheadAttention, Transformer, TransformerDecoder, TransformerDecoderLayer,
+                      TransformerEncoder, TransformerEncoderLayer)
+from .convert import convert
 
 __version__ = "0.1.0"
 
@@ -21,4 +24,11 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "LinearAttentionState",
+    "MultiheadAttention",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+    "TransformerEncoder",
+    "TransformerDecoder",
+    "Transformer",
+    "convert",
 ]

@@ -1,0 +1,173 @@
+"""attn_implementation="transformer_fast" in Hugging Face transformers: tiny BART and BERT models
+built from configs (nothing downloaded) give the logits, gradients and greedy generations of the
+same weights on transformers' "sdpa" implementation (fp32: atol=1e-5, rtol=1e-4)."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import transformer_fast.integrations.huggingface as tf_hf  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    tf_hf.register()
+
+
+@pytest.fixture
+def count_kernel_calls(monkeypatch):
+    calls = []
+    original = tf_hf.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tf_hf, "scaled_dot_product_attention", counting)
+    return calls
+
+
+def pair(model_cls, config):
+    """The model on sdpa and the same weights on transformer_fast (separate configs: the
+    implementation is stored in the config)."""
+    torch.manual_seed(0)
+    ref = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="transformer_fast")
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert ref.config._attn_implementation == "sdpa"
+    assert ours.config._attn_implementation == "transformer_fast"
+    return ref, ours
+
+
+def compare_logits_and_grads(ref, ours, inputs):
+    out_r = ref(**inputs).logits
+    out_o = ours(**inputs).logits
+    torch.testing.assert_close(out_o, out_r, **TOL)
+    dout = torch.randn_like(out_r)
+    params_r = [p for p in ref.parameters() if p.requires_grad]
+    params_o = [p for p in ours.parameters() if p.requires_grad]
+    grads_r = torch.autograd.grad(out_r, params_r, dout, allow_unused=True)
+    grads_o = torch.autograd.grad(out_o, params_o, dout, allow_unused=True)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, grads_o, grads_r):
+        if b is None:
+            assert a is None, name
+        else:
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def bart_config():
+    return transformers.BartConfig(
+        vocab_size=97, d_model=24, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None, forced_bos_token_id=None)
+
+
+def bert_config():
+    return transformers.BertConfig(
+        vocab_size=101, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def padded_batch(vocab, batch, length, pad_id):
+    ids = torch.randint(3, vocab, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1, length - 4:] = 0  # right padding
+    mask[2, length - 1:] = 0
+    ids[mask == 0] = pad_id
+    return ids, mask
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_bart_logits_and_gradients(train, count_kernel_calls):
+    ref, ours = pair(transformers.BartForConditionalGeneration, bart_config())
+    ref.train(train)
+    ours.train(train)
+    ids, mask = padded_batch(97, 3, 11, pad_id=1)
+    decoder_ids = torch.randint(3, 97, (3, 7))
+    compare_logits_and_grads(ref, ours, dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids))
+    # encoder self-attention, decoder self-attention and cross-attention, 2 layers each
+    assert len(count_kernel_calls) == 6
+    assert any(c["is_causal"] for c in count_kernel_calls)
+
+
+def test_bart_greedy_generation(count_kernel_calls):
+    ref, ours = pair(transformers.BartForConditionalGeneration, bart_config())
+    ref.eval()
+    ours.eval()
+    ids, mask = padded_batch(97, 3, 9, pad_id=1)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, num_beams=1)
+    with torch.no_grad():
+        expected = ref.generate(ids, **kwargs)
+        generated = ours.generate(ids, **kwargs)
+    assert generated.shape == expected.shape == (3, 11)
+    assert torch.equal(generated, expected)
+    assert count_kernel_calls  # the cached decoding steps ran our kernel too
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_bert_logits_and_gradients(train, count_kernel_calls):
+    ref, ours = pair(transformers.BertForMaskedLM, bert_config())
+    ref.train(train)
+    ours.train(train)
+    ids, mask = padded_batch(101, 3, 13, pad_id=0)
+    compare_logits_and_grads(ref, ours, dict(input_ids=ids, attention_mask=mask))
+    assert len(count_kernel_calls) == 2
+    assert count_kernel_calls[0]["attn_mask"] is not None and not count_kernel_calls[0]["is_causal"]
+
+
+def test_bert_without_padding_passes_no_mask(count_kernel_calls):
+    ref, ours = pair(transformers.BertModel, bert_config())
+    ids = torch.randint(3, 101, (2, 9))
+    torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state, **TOL)
+    assert all(c["attn_mask"] is None and not c["is_causal"] for c in count_kernel_calls)
+
+
+def test_set_attn_implementation_on_an_existing_model():
+    torch.manual_seed(0)
+    ref = transformers.BertModel._from_config(bert_config(), attn_implementation="sdpa")
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation("transformer_fast")
+    assert ours.config._attn_implementation == "transformer_fast"
+    ids, mask = padded_batch(101, 3, 8, pad_id=0)
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).last_hidden_state,
+                               ref(input_ids=ids, attention_mask=mask).last_hidden_state, **TOL)
+
+
+def test_unsupported_options_raise():
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+
+def test_importing_transformer_fast_does_not_import_transformers():
+    code = "import sys, transformer_fast; assert 'transformers' not in sys.modules, 'transformers was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_llama_grouped_query_attention_with_left_padding(count_kernel_calls):
+    """A decoder-only model with grouped-query attention (4 query heads, 2 key/value heads),
+    causal masks combined with left padding, and greedy generation with a cache."""
+    config = transformers.LlamaConfig(
+        vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ref, ours = pair(transformers.LlamaForCausalLM, config)
+    ids = torch.randint(3, 89, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    ids[mask == 0] = 0
+    out_r = ref(input_ids=ids, attention_mask=mask).logits
+    out_o = ours(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()  # padded query rows attend to nothing: compare the real tokens
+    torch.testing.assert_close(out_o[keep], out_r[keep], **TOL)
+    assert any(c.get("enable_gqa") for c in count_kernel_calls)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))

@@ -1,0 +1,76 @@
+"""``convert``: swaps the torch.nn attention, normalisation and Transformer modules of any model
+for transformer_fast's drop-ins."""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import NamedTuple
+
+from torch import nn
+
+from .layer_norm import LayerNorm, RMSNorm
+from .modules import (MultiheadAttention, Transformer, TransformerDecoder, TransformerDecoderLayer,
+                      TransformerEncoder, TransformerEncoderLayer, _adopt, _check_attention)
+
+logger = logging.getLogger(__name__)
+
+# torch.nn class -> ours. Only these exact classes are converted: a user subclass may override
+# forward, so it is left alone (its children are still visited).
+_REPLACEMENTS = {
+    nn.Transformer: Transformer,
+    nn.TransformerEncoder: TransformerEncoder,
+    nn.TransformerDecoder: TransformerDecoder,
+    nn.TransformerEncoderLayer: TransformerEncoderLayer,
+    nn.TransformerDecoderLayer: TransformerDecoderLayer,
+    nn.MultiheadAttention: MultiheadAttention,
+    nn.LayerNorm: LayerNorm,
+    nn.RMSNorm: RMSNorm,
+}
+
+
+class Replacement(NamedTuple):
+    """One converted module: its qualified name in the model ("" for the model itself) and the
+    class it had and has now."""
+    name: str
+    old: type
+    new: type
+
+
+def convert(model, attention="softmax", inplace=False, *, return_report=False):
+    """Replaces every ``torch.nn`` MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
+    TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer inside
+    ``model`` (``model`` itself included) with the transformer_fast drop-in, leaving everything
+    else alone.
+
+    The modules keep their parameters, buffers, hooks, device, dtype and train/eval mode (each is
+    turned into the drop-in subclass, which has the same parameter names and state-dict keys).
+    Only those exact classes are converted, not user subclasses of them (whose forward may
+    differ) nor transformer_fast modules (never converted twice). ``attention`` ("softmax" or
+    "linear") is given to every converted attention; "linear" changes the model's function.
+
+    ``inplace=False`` converts a deep copy and leaves ``model`` untouched. Returns the converted
+    model, or ``(model, report)`` with ``return_report=True``, where ``report`` lists a
+    ``Replacement(name, old, new)`` per converted module (nested ones included, in module
+    order). The same list is logged at INFO level on the ``transformer_fast.convert`` logger.
+    """
+    _check_attention(attention)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    modules = list(model.named_modules())
+    before = [type(module) for _, module in modules]
+    for _, module in modules:  # pre-order: a converted stack converts its own layers first
+        cls = _REPLACEMENTS.get(type(module))
+        if cls is None:
+            continue
+        if hasattr(cls, "from_torch"):
+            cls.from_torch(module, attention)
+        else:
+            _adopt(module, cls)
+    report = [Replacement(name, old, type(module)) for (name, module), old in zip(modules, before)
+              if type(module) is not old]
+    for item in report:
+        logger.info("transformer_fast.convert: %s: %s.%s -> %s.%s", item.name or "<model>", item.old.__module__,
+                    item.old.__qualname__, item.new.__module__, item.new.__qualname__)
+    return (model, report) if return_report else model
