@@ -39,9 +39,9 @@ import triton.language as tl
 from ._utils import interpreting, new_output, next_power_of_2
 
 # Causal scan modes.
-FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = 0, 1, 2, 3, 4
+FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = (tl.constexpr(m) for m in range(5))
 # Non-causal apply modes.
-APPLY_OUT, APPLY_DQ, APPLY_DKDV = 0, 1, 2
+APPLY_OUT, APPLY_DQ, APPLY_DKDV = (tl.constexpr(m) for m in range(3))
 
 
 @triton.jit
@@ -311,15 +311,20 @@ def apply_kernel(
 # ------------------------------------------------------------------------------------------
 # The largest fp32 state tile (BLOCK_A x BLOCK_C) one program keeps in registers; the column
 # dimension is tiled to stay under it (tests lower it to exercise the tiling on small dims).
-STATE_TILE_ELEMENTS = 8192
+STATE_TILE_ELEMENTS = 4096
+MAX_BLOCK_C = 64
 
 
 def _config(na, nc):
-    """Block sizes for a contracted width `na` (held whole) and a column width `nc` (tiled)."""
+    """Block sizes for a contracted width `na` (held whole) and a column width `nc` (tiled):
+    the chunk shrinks as the contracted width grows, so that the scan's fp32 tiles (a, b:
+    BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) stay within ~100 registers a
+    thread without spilling."""
     block_a = max(16, next_power_of_2(na))
-    block_c = max(16, min(next_power_of_2(nc), STATE_TILE_ELEMENTS // block_a))
-    block_n = 64 if block_a <= 128 else 32
-    num_warps = 4 if block_a * block_c <= 4096 else 8
+    block_c = max(16, min(next_power_of_2(nc), MAX_BLOCK_C, STATE_TILE_ELEMENTS // block_a))
+    block_n = 64 if block_a <= 32 else (32 if block_a <= 128 else 16)
+    elements = 2 * block_n * block_a + block_n * block_n + 2 * block_n * block_c + block_a * block_c
+    num_warps = 4 if elements <= 8192 else 8
     return dict(BLOCK_N=block_n, BLOCK_A=block_a, BLOCK_C=block_c), num_warps
 
 
@@ -353,7 +358,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
         q, k, v, dout, mask, den, p, out,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn,
         H, N, D, Dv, n_ptiles, eps,
-        MODE=mode, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), **blocks, num_warps=num_warps, num_stages=2)
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), **blocks, num_warps=num_warps, num_stages=2)
     return grid[1]
 
 
@@ -398,7 +403,7 @@ def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     apply_kernel[(B * H, triton.cdiv(N, block_m))](
         x, y, mask, s, z, out, out2, den, g,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
-        MODE=mode, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), BLOCK_M=block_m, **blocks,
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), BLOCK_M=block_m, **blocks,
         num_warps=num_warps, num_stages=2)
 
 
@@ -435,3 +440,58 @@ def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
         r_state, r = _state(q, dout, None, den, g)
         _apply(APPLY_DKDV, k, v, key_padding_mask, r_state, r, dv, dk, den, g, eps)
     return dq, dk, dv
+
+
+def compile_cases():
+    """The kernel configs the launchers launch on a GPU. Listing every one (10 kernel modes x 12
+    block shapes x 3 dtypes x mask on/off) would take far longer to compile than CI allows, so
+    this lists: every kernel mode at the largest column tile of each contracted width (the
+    smaller column tiles of a width are the same program with smaller tiles), fp16 with a key
+    mask, plus the smallest shape; fp32 (ieee dots) and bf16, and no mask, at one shape each."""
+    shapes = [(16, 16, torch.float16, True)]
+    shapes += [(na, MAX_BLOCK_C, torch.float16, True) for na in (16, 32, 64, 128, 256)]
+    shapes += [(64, 64, torch.float32, False), (128, 128, torch.bfloat16, False)]
+    dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    cases = []
+    for na, nc, dtype, has_mask in shapes:
+        ty = dtypes[dtype]
+        if True:
+            ptr = f"*{ty}"
+            if True:
+                if True:
+                    blocks, num_warps = _config(na, nc)
+                    common = dict(HAS_MASK=has_mask, PRECISION=_precision(dtype))
+                    tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
+                    for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
+                        sig = {name: ptr for name in ("Q", "K", "V", "DO")}
+                        sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == FWD_STATS else ptr)
+                        sig.update({name: "i32" for name in (
+                            "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
+                            "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
+                        sig["eps"] = "fp32"
+                        const = dict(MODE=mode.value, **common, **blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=causal_scan_kernel, signature=sig,
+                                          constexprs=const, num_warps=num_warps, num_stages=2))
+                    for backward in (False, True):
+                        sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
+                        sig.update({name: "i32" for name in (
+                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV",
+                            "chunks_per_split")})
+                        const = dict(BACKWARD=backward, **common, **blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_state_bwd{int(backward)}_{tag}", fn=state_kernel,
+                                          signature=sig, constexprs=const, num_warps=num_warps, num_stages=2))
+                    apply_blocks = dict(blocks)
+                    apply_blocks["BLOCK_M"] = apply_blocks.pop("BLOCK_N")
+                    for mode in (APPLY_OUT, APPLY_DQ, APPLY_DKDV):
+                        sig = dict(X=ptr, Y=ptr, KPM="*u8", S="*fp32", Z="*fp32", OUT=ptr, OUT2=ptr, DEN="*fp32",
+                                   G="*fp32")
+                        sig.update({name: "i32" for name in (
+                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV")})
+                        sig["eps"] = "fp32"
+                        const = dict(MODE=mode.value, **common, **apply_blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_apply_mode{mode.value}_{tag}", fn=apply_kernel, signature=sig,
+                                          constexprs=const, num_warps=num_warps, num_stages=2))
+    return cases
