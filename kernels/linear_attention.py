@@ -315,12 +315,16 @@ STATE_TILE_ELEMENTS = 4096
 MAX_BLOCK_C = 64
 
 
-def _config(na, nc):
+def _config(na, nc, dtype):
     """Block sizes for a contracted width `na` (held whole) and a column width `nc` (tiled):
     the chunk shrinks as the contracted width grows, so that the scan's fp32 tiles (a, b:
-    BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) stay within ~100 registers a
-    thread without spilling."""
+    BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) fit the registers. fp32 inputs
+    use ieee dots, which run on FMA units with each thread holding whole rows of the operands:
+    they get the smallest tiles."""
     block_a = max(16, next_power_of_2(na))
+    if dtype == torch.float32:
+        block_c = max(16, min(next_power_of_2(nc), 32 if block_a <= 32 else 16))
+        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4
     block_c = max(16, min(next_power_of_2(nc), MAX_BLOCK_C, STATE_TILE_ELEMENTS // block_a))
     block_n = 64 if block_a <= 32 else (32 if block_a <= 128 else 16)
     elements = 2 * block_n * block_a + block_n * block_n + 2 * block_n * block_c + block_a * block_c
@@ -349,7 +353,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
     B, H, N, D = q.shape
     Dv = v.shape[3]
     na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
-    blocks, num_warps = _config(na, nc)
+    blocks, num_warps = _config(na, nc, q.dtype)
     grid = (B * H, triton.cdiv(nc, blocks["BLOCK_C"]))
     if den is None:
         return grid[1]
@@ -375,7 +379,7 @@ def _state(x, y, key_padding_mask, den, g):
     """(S, z): S = sum X'^T Y (B*H, D, Dv), z = sum X' u (B*H, D), fp32; backward if den is given."""
     B, H, N, D = x.shape
     Dv = y.shape[3]
-    blocks, num_warps = _config(D, Dv)
+    blocks, num_warps = _config(D, Dv, x.dtype)
     c_tiles = triton.cdiv(Dv, blocks["BLOCK_C"])
     splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
     chunks_per_split = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), splits)
@@ -397,7 +401,7 @@ def _state(x, y, key_padding_mask, den, g):
 def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     B, H, N, D = x.shape
     Dv = s.shape[-1]
-    blocks, num_warps = _config(D, Dv)
+    blocks, num_warps = _config(D, Dv, x.dtype)
     block_m = blocks.pop("BLOCK_N")
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
     apply_kernel[(B * H, triton.cdiv(N, block_m))](
@@ -443,14 +447,16 @@ def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
 
 
 def compile_cases():
-    """The kernel configs the launchers launch on a GPU. Listing every one (10 kernel modes x 12
-    block shapes x 3 dtypes x mask on/off) would take far longer to compile than CI allows, so
-    this lists: every kernel mode at the largest column tile of each contracted width (the
-    smaller column tiles of a width are the same program with smaller tiles), fp16 with a key
-    mask, plus the smallest shape; fp32 (ieee dots) and bf16, and no mask, at one shape each."""
-    shapes = [(16, 16, torch.float16, True)]
-    shapes += [(na, MAX_BLOCK_C, torch.float16, True) for na in (16, 32, 64, 128, 256)]
-    shapes += [(64, 64, torch.float32, False), (128, 128, torch.bfloat16, False)]
+    """The kernel configs the launchers launch on a GPU, within CI's compile budget: listing every
+    one (10 kernel modes x ~17 block shapes x 3 dtypes x mask on/off) would take far longer, so
+    every kernel mode is compiled at each contracted width's largest column tile for half
+    precision (smaller column tiles of a width are the same program with smaller tiles), at the
+    smallest, middle and largest width for fp32 (its own, smaller blocks), with bf16 and the
+    mask on/off spread over them, plus the smallest shape."""
+    shapes = [(16, 16, torch.float16, True), (32, MAX_BLOCK_C, torch.bfloat16, False),
+              (64, MAX_BLOCK_C, torch.float16, True), (128, MAX_BLOCK_C, torch.float16, False),
+              (256, MAX_BLOCK_C, torch.float16, True), (16, MAX_BLOCK_C, torch.float32, False),
+              (64, MAX_BLOCK_C, torch.float32, True), (256, MAX_BLOCK_C, torch.float32, False)]
     dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     cases = []
     for na, nc, dtype, has_mask in shapes:
@@ -459,7 +465,7 @@ def compile_cases():
             ptr = f"*{ty}"
             if True:
                 if True:
-                    blocks, num_warps = _config(na, nc)
+                    blocks, num_warps = _config(na, nc, dtype)
                     common = dict(HAS_MASK=has_mask, PRECISION=_precision(dtype))
                     tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
                     for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
