@@ -32,6 +32,8 @@ would otherwise use tf32 and miss the 2x-reference-error policy); for fp16/bf16 
 whose 10-bit mantissa matches fp16 and exceeds bf16 while keeping fp32's range (fp16 states
 overflow at long lengths).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -366,12 +368,17 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
     return grid[1]
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_splits(n, block_n, programs, device):
     """Splits of the rows for the state pass: enough programs to fill the GPU (2 per SM)."""
     if interpreting():
         target = 2 * programs  # two splits, so the tests cover the reduction
     else:
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(triton.cdiv(n, block_n), triton.cdiv(target, programs)))
 
 
