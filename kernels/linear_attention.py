@@ -326,7 +326,7 @@ def _config(na, nc, dtype):
     block_a = max(16, next_power_of_2(na))
     if dtype == torch.float32:
         block_c = max(16, min(next_power_of_2(nc), 32 if block_a <= 32 else 16))
-        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4
+        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4 if block_a <= 64 else 8
     block_c = max(16, min(next_power_of_2(nc), MAX_BLOCK_C, STATE_TILE_ELEMENTS // block_a))
     block_n = 64 if block_a <= 32 else (32 if block_a <= 128 else 16)
     elements = 2 * block_n * block_a + block_n * block_n + 2 * block_n * block_c + block_a * block_c
