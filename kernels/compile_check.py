@@ -34,7 +34,7 @@ def _ptxas_report(ptx: str):
         from triton.backends.nvidia.compiler import get_ptxas
 
         ptxas = get_ptxas(int(re.search(r"\d+", arch).group())).path
-    except ImportError:
+    except (ImportError, AttributeError, TypeError):  # Triton versions without get_ptxas(arch)
         ptxas = _nvidia_bin("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
