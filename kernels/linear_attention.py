@@ -31,7 +31,7 @@ Precision: the states and every accumulation are fp32; tl.dot operands are fp32 
 would otherwise use tf32 and miss the 2x-reference-error policy); for fp16/bf16 inputs "tf32",
 whose 10-bit mantissa matches fp16 and exceeds bf16 while keeping fp32's range (fp16 states
 overflow at long lengths). ieee dots run on FMA units and need whole operand rows per thread,
-so fp32 gets its own small blocks (and still spills ~1-2 KB a thread at head dim 256).
+so fp32 gets its own small blocks (and still spills 1-8 KB a thread at head dim 256).
 
 Parallelism: the causal scan runs B*H*(column tiles) programs, each sequential over N/BLOCK_N
 chunks (no split over N); the non-causal passes split the rows over programs.
