@@ -1,5 +1,514 @@
-"""PLACEHOLDER: the Triton linear_attention kernels land with their issue."""
+"""Triton kernels for linear attention (Katharopoulos et al. 2020) with phi(x) = elu(x) + 1.
+
+Notation: Q' = phi(Q), K' = phi(K) with padded keys set to 0, G = dO / den (row-wise),
+g_i = -(dO_i . out_i) / den_i. The gradients (checked against _reference_kernels):
+
+    dQ'_i = sum_{j in W(i)} (G_i . v_j + g_i) K'_j        dQ = dQ' * elu'(Q)
+    dK'_j = sum_{i : j in W(i)} (v_j . G_i + g_i) Q'_i    dK = dK' * elu'(K), 0 on padded keys
+    dV_j  = sum_{i : j in W(i)} (Q'_i . K'_j) G_i
+
+with W(i) all keys (non-causal) or j <= i (causal).
+
+Non-causal: ``state_kernel`` sums a state T = sum_j X'_j^T Y_j (D x Dv) and t = sum_j X'_j u_j
+(D) over a split of the rows, for (K, V) in the forward and (Q, G) in the backward; the splits'
+partial states are reduced with one torch sum (no atomics). ``apply_kernel`` then multiplies
+each block of rows by the state, looping over Dv tiles so that the normaliser phi(q).z is
+computed once per row; in the backward it also accumulates dO S^T (-> dQ) or V R^T (-> dK).
+
+Causal: ``causal_scan_kernel``, the chunked form. One program per (batch*head, column tile)
+walks the sequence in chunks of BLOCK_N rows (forwards, or backwards for dK/dV), carrying the
+state T (BLOCK_A x BLOCK_C, fp32) in registers; inside a chunk the masked a b^T product, across
+chunks a T, so all the work is tl.dot. All four causal products have the form
+y_i = sum_{j in W(i)} (a_i . b_j + alpha_i beta_j) c_j (see the MODE table in the kernel).
+The column dimension (c's) is tiled so the state fits registers; the contracted dimension (a,
+b) is always whole, so the normaliser (contracted over D) and g (contracted over Dv) are exact
+in every tile: the forward tiles over Dv, dQ and dK over D, dV over Dv. g needs the whole
+dO . out, so the backward first runs the forward scan in "stats" mode, writing den and the
+per-Dv-tile partial dots dO . out (summed by the consumers).
+
+Precision: the states and every accumulation are fp32; tl.dot operands are fp32 (phi and the
+1/den scaling are applied in fp32). For fp32 inputs the dots use input_precision="ieee" (a GPU
+would otherwise use tf32 and miss the 2x-reference-error policy); for fp16/bf16 inputs "tf32",
+whose 10-bit mantissa matches fp16 and exceeds bf16 while keeping fp32's range (fp16 states
+overflow at long lengths). ieee dots run on FMA units and need whole operand rows per thread,
+so fp32 gets its own small blocks (and still spills 1-8 KB a thread at head dim 256).
+
+Parallelism: the causal scan runs B*H*(column tiles) programs, each sequential over N/BLOCK_N
+chunks (no split over N); the non-causal passes split the rows over programs.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import interpreting, new_output, next_power_of_2
+
+# Causal scan modes.
+FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = (tl.constexpr(m) for m in range(5))
+# Non-causal apply modes.
+APPLY_OUT, APPLY_DQ, APPLY_DKDV = (tl.constexpr(m) for m in range(3))
+
+
+@triton.jit
+def _phi(x):
+    return tl.where(x > 0, x + 1.0, tl.exp(x))
+
+
+@triton.jit
+def _dphi(x):
+    return tl.where(x > 0, 1.0, tl.exp(x))
+
+
+@triton.jit
+def _load_tile(ptr, rows, cols, stride_n, row_ok, col_ok):
+    """fp32 tile ptr[rows, cols]; out-of-range or masked-off elements read as 0 (never NaN)."""
+    return tl.load(ptr + rows[:, None] * stride_n + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_phi_tile(ptr, rows, cols, stride_n, row_ok, col_ok):
+    """phi of the tile, 0 outside it (phi(0) = 1 would otherwise leak padding into the sums)."""
+    x = _load_tile(ptr, rows, cols, stride_n, row_ok, col_ok)
+    return tl.where(row_ok[:, None] & col_ok[None, :], _phi(x), 0.0)
+
+
+@triton.jit
+def _key_ok(KPM, smn, rows, row_ok, HAS_MASK: tl.constexpr):
+    if HAS_MASK:
+        return row_ok & (tl.load(KPM + rows * smn, mask=row_ok, other=1) == 0)
+    return row_ok
+
+
+@triton.jit
+def _g_of_rows(DEN, P, rows, row_ok, n_ptiles, p_tile_stride):
+    """den and g = -(dO . out) / den from the stats pass (P holds per-Dv-tile partial dO . out)."""
+    den = tl.load(DEN + rows, mask=row_ok, other=1.0)
+    p = tl.zeros_like(den)
+    for t in range(0, n_ptiles):
+        p += tl.load(P + t * p_tile_stride + rows, mask=row_ok, other=0.0)
+    return den, -p / den
+
+
+@triton.jit
+def causal_scan_kernel(
+    Q, K, V, DO, KPM, DEN, P, OUT,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, smb, smn,
+    H, N, D, DV, n_ptiles, eps,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """MODE   a (contracted)  b             c (column tile)  alpha  beta   scan      writes
+       FWD_*  Q'   [D]        K'            V   [Dv tile]    -      -      forwards  out, or den + P
+       BWD_DQ G    [Dv]       V             K'  [D tile]     g      1      forwards  dQ
+       BWD_DK V    [Dv]       G             Q'  [D tile]     1      g      backwards dK
+       BWD_DV K'   [D]        Q'            G   [Dv tile]    -      -      backwards dV
+    y_i = sum_{j in chunk, causal} (a_i . b_j + alpha_i beta_j) c_j + a_i T + alpha_i t, then
+    T += b^T c and t += beta^T c. OUT is (B, H, N, width of c) contiguous; DEN (B*H, N) and
+    P (tiles, B*H, N) fp32."""
+    REVERSE: tl.constexpr = MODE == BWD_DK or MODE == BWD_DV
+    HAS_ALPHA: tl.constexpr = MODE == BWD_DQ or MODE == BWD_DK
+    A_IS_D: tl.constexpr = MODE == FWD_OUT or MODE == FWD_STATS or MODE == BWD_DV
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    Q += b * sqb + h * sqh
+    K += b * skb + h * skh
+    V += b * svb + h * svh
+    DO += b * sdb + h * sdh
+    KPM += b * smb
+    DEN += pid_bh * N
+    P += pid_bh * N
+    if A_IS_D:
+        NA = D
+        NC = DV
+    else:
+        NA = DV
+        NC = D
+    OUT += pid_bh * N * NC
+    a_cols = tl.arange(0, BLOCK_A)
+    a_ok = a_cols < NA
+    c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c_cols < NC
+    T = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
+    t = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z = tl.zeros((BLOCK_A,), dtype=tl.float32)  # forward only: sum of K', for the normaliser
+    n_chunks = tl.cdiv(N, BLOCK_N)
+    for it in range(0, n_chunks):
+        if REVERSE:
+            start = (n_chunks - 1 - it) * BLOCK_N
+        else:
+            start = it * BLOCK_N
+        rows = start + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        key_ok = _key_ok(KPM, smn, rows, row_ok, HAS_MASK)
+        if MODE == FWD_OUT or MODE == FWD_STATS:
+            a = _load_phi_tile(Q, rows, a_cols, sqn, row_ok, a_ok)
+            bb = _load_phi_tile(K, rows, a_cols, skn, key_ok, a_ok)
+            c = _load_tile(V, rows, c_cols, svn, key_ok, c_ok)
+        elif MODE == BWD_DQ:
+            den, g = _g_of_rows(DEN, P, rows, row_ok, n_ptiles, N * tl.num_programs(0))
+            a = _load_tile(DO, rows, a_cols, sdn, row_ok, a_ok) / den[:, None]
+            bb = _load_tile(V, rows, a_cols, svn, key_ok, a_ok)
+            c = _load_phi_tile(K, rows, c_cols, skn, key_ok, c_ok)
+            alpha = g
+            beta = tl.where(key_ok, 1.0, 0.0)
+        elif MODE == BWD_DK:
+            den, g = _g_of_rows(DEN, P, rows, row_ok, n_ptiles, N * tl.num_programs(0))
+            a = _load_tile(V, rows, a_cols, svn, key_ok, a_ok)
+            bb = _load_tile(DO, rows, a_cols, sdn, row_ok, a_ok) / den[:, None]
+            c = _load_phi_tile(Q, rows, c_cols, sqn, row_ok, c_ok)
+            alpha = tl.where(key_ok, 1.0, 0.0)
+            beta = g
+        else:  # BWD_DV
+            den = tl.load(DEN + rows, mask=row_ok, other=1.0)
+            a = _load_phi_tile(K, rows, a_cols, skn, key_ok, a_ok)
+            bb = _load_phi_tile(Q, rows, a_cols, sqn, row_ok, a_ok)
+            c = _load_tile(DO, rows, c_cols, sdn, row_ok, c_ok) / den[:, None]
+        w = tl.dot(a, tl.trans(bb), input_precision=PRECISION)
+        if HAS_ALPHA:
+            w += alpha[:, None] * beta[None, :]
+        offs = tl.arange(0, BLOCK_N)
+        if REVERSE:
+            w = tl.where(offs[:, None] <= offs[None, :], w, 0.0)
+        else:
+            w = tl.where(offs[:, None] >= offs[None, :], w, 0.0)
+        y = tl.dot(w, c, input_precision=PRECISION) + tl.dot(a, T, input_precision=PRECISION)
+        if HAS_ALPHA:
+            y += alpha[:, None] * t[None, :]
+            t += tl.sum(beta[:, None] * c, axis=0)
+        T += tl.dot(tl.trans(bb), c, input_precision=PRECISION)
+        out_ptrs = OUT + rows[:, None] * NC + c_cols[None, :]
+        out_mask = row_ok[:, None] & c_ok[None, :]
+        if MODE == FWD_OUT or MODE == FWD_STATS:
+            den = tl.sum(w, axis=1) + tl.sum(a * z[None, :], axis=1) + eps
+            z += tl.sum(bb, axis=0)
+            out = y / den[:, None]
+            if MODE == FWD_OUT:
+                tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)
+            else:
+                dout = _load_tile(DO, rows, c_cols, sdn, row_ok, c_ok)
+                tl.store(P + pid_c * N * tl.num_programs(0) + rows, tl.sum(dout * out, axis=1), mask=row_ok)
+                if pid_c == 0:
+                    tl.store(DEN + rows, den, mask=row_ok)
+        elif MODE == BWD_DQ:
+            q = _load_tile(Q, rows, c_cols, sqn, row_ok, c_ok)
+            tl.store(out_ptrs, (y * _dphi(q)).to(OUT.dtype.element_ty), mask=out_mask)
+        elif MODE == BWD_DK:
+            k = _load_tile(K, rows, c_cols, skn, key_ok, c_ok)
+            dk = tl.where(key_ok[:, None], y * _dphi(k), 0.0)
+            tl.store(out_ptrs, dk.to(OUT.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(out_ptrs, tl.where(key_ok[:, None], y, 0.0).to(OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def state_kernel(
+    X, Y, KPM, DEN, G, WS_T, WS_t,
+    sxb, sxh, sxn, syb, syh, syn, smb, smn,
+    H, N, D, DV, chunks_per_split,
+    BACKWARD: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Partial states over one split of the rows: T = sum X'^T Y, t = sum X' u. Forward: X = K
+    (padded keys dropped), Y = V, u = 1. Backward: X = Q, Y = G = dO / den, u = g.
+    WS_T is (B*H, splits, D, DV) and WS_t (B*H, splits, D), fp32."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    X += b * sxb + h * sxh
+    Y += b * syb + h * syh
+    KPM += b * smb
+    DEN += pid_bh * N
+    G += pid_bh * N
+    a_cols = tl.arange(0, BLOCK_A)
+    a_ok = a_cols < D
+    c_cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c_cols < DV
+    T = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
+    t = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    for it in range(0, chunks_per_split):
+        rows = (pid_s * chunks_per_split + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = _key_ok(KPM, smn, rows, rows < N, HAS_MASK)
+        x = _load_phi_tile(X, rows, a_cols, sxn, row_ok, a_ok)
+        y = _load_tile(Y, rows, c_cols, syn, row_ok, c_ok)
+        if BACKWARD:
+            y = y / tl.load(DEN + rows, mask=row_ok, other=1.0)[:, None]
+            t += tl.sum(x * tl.load(G + rows, mask=row_ok, other=0.0)[:, None], axis=0)
+        else:
+            t += tl.sum(x, axis=0)
+        T += tl.dot(tl.trans(x), y, input_precision=PRECISION)
+    split = pid_bh * tl.num_programs(2) + pid_s
+    tl.store(WS_T + split * D * DV + a_cols[:, None] * DV + c_cols[None, :], T, mask=a_ok[:, None] & c_ok[None, :])
+    if pid_c == 0:
+        tl.store(WS_t + split * D + a_cols, t, mask=a_ok)
+
+
+@triton.jit
+def apply_kernel(
+    X, Y, KPM, S, Z, OUT, OUT2, DEN, G,
+    sxb, sxh, sxn, syb, syh, syn, smb, smn,
+    H, N, D, DV, eps,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One block of rows times the full state S (B*H, D, DV), Z (B*H, D), looping over DV tiles:
+    APPLY_OUT:  X = Q:       OUT = Q' S / (Q' . z + eps)
+    APPLY_DQ:   X = Q, Y=dO: OUT = dQ, and DEN, G (= den, g) for the key-side state
+    APPLY_DKDV: X = K, Y=V, S = R, Z = r: OUT = dV = K' R, OUT2 = dK = (V R^T + r) * elu'(K).
+    OUT/OUT2 are contiguous (B, H, N, .)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    X += b * sxb + h * sxh
+    Y += b * syb + h * syh
+    KPM += b * smb
+    S += pid_bh * D * DV
+    Z += pid_bh * D
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    if MODE == APPLY_DKDV:
+        row_ok = _key_ok(KPM, smn, rows, row_ok, HAS_MASK)
+    a_cols = tl.arange(0, BLOCK_A)
+    a_ok = a_cols < D
+    x = _load_phi_tile(X, rows, a_cols, sxn, row_ok, a_ok)
+    z = tl.load(Z + a_cols, mask=a_ok, other=0.0)
+    den = tl.sum(x * z[None, :], axis=1) + eps
+    acc = tl.zeros((BLOCK_M, BLOCK_A), dtype=tl.float32)
+    p = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c0 in range(0, DV, BLOCK_C):
+        c_cols = c0 + tl.arange(0, BLOCK_C)
+        c_ok = c_cols < DV
+        s = tl.load(S + a_cols[:, None] * DV + c_cols[None, :], mask=a_ok[:, None] & c_ok[None, :], other=0.0)
+        y = tl.dot(x, s, input_precision=PRECISION)
+        out_ptrs = OUT + pid_bh * N * DV + rows[:, None] * DV + c_cols[None, :]
+        out_mask = (rows < N)[:, None] & c_ok[None, :]
+        if MODE == APPLY_OUT:
+            tl.store(out_ptrs, (y / den[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
+        else:
+            other = _load_tile(Y, rows, c_cols, syn, row_ok, c_ok)
+            if MODE == APPLY_DQ:
+                p += tl.sum(other * y, axis=1)
+            else:
+                tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=out_mask)
+            acc += tl.dot(other, tl.trans(s), input_precision=PRECISION)
+    if MODE != APPLY_OUT:
+        xin = _load_tile(X, rows, a_cols, sxn, row_ok, a_ok)
+        out2_ptrs = OUT2 + pid_bh * N * D + rows[:, None] * D + a_cols[None, :]
+        out2_mask = (rows < N)[:, None] & a_ok[None, :]
+        if MODE == APPLY_DQ:
+            g = -p / (den * den)  # dO . out = (dO . num) / den
+            dq = (acc / den[:, None] + g[:, None] * z[None, :]) * _dphi(xin)
+            tl.store(out2_ptrs, dq.to(OUT2.dtype.element_ty), mask=out2_mask)
+            tl.store(DEN + pid_bh * N + rows, den, mask=row_ok)
+            tl.store(G + pid_bh * N + rows, g, mask=row_ok)
+        else:
+            dk = tl.where(row_ok[:, None], (acc + z[None, :]) * _dphi(xin), 0.0)
+            tl.store(out2_ptrs, dk.to(OUT2.dtype.element_ty), mask=out2_mask)
+
+
+# ------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------
+# The largest fp32 state tile (BLOCK_A x BLOCK_C) one program keeps in registers; the column
+# dimension is tiled to stay under it (tests lower it to exercise the tiling on small dims).
+STATE_TILE_ELEMENTS = 4096
+MAX_BLOCK_C = 64
+
+
+def _config(na, nc, dtype):
+    """Block sizes for a contracted width `na` (held whole) and a column width `nc` (tiled):
+    the chunk shrinks as the contracted width grows, so that the scan's fp32 tiles (a, b:
+    BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) fit the registers. fp32 inputs
+    use ieee dots, which run on FMA units with each thread holding whole rows of the operands:
+    they get the smallest tiles."""
+    block_a = max(16, next_power_of_2(na))
+    if dtype == torch.float32:
+        block_c = max(16, min(next_power_of_2(nc), 32 if block_a <= 32 else 16))
+        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4 if block_a <= 64 else 8
+    block_c = max(16, min(next_power_of_2(nc), MAX_BLOCK_C, STATE_TILE_ELEMENTS // block_a))
+    block_n = 64 if block_a <= 32 else (32 if block_a <= 128 else 16)
+    elements = 2 * block_n * block_a + block_n * block_n + 2 * block_n * block_c + block_a * block_c
+    num_warps = 4 if elements <= 8192 else 8
+    return dict(BLOCK_N=block_n, BLOCK_A=block_a, BLOCK_C=block_c), num_warps
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _mask_args(key_padding_mask, dummy):
+    """(pointer, stride_b, stride_n, HAS_MASK): the bool mask read as bytes, True = padded."""
+    if key_padding_mask is None:
+        return dummy, 0, 0, False
+    mask = key_padding_mask.view(torch.uint8)
+    return mask, mask.stride(0), mask.stride(1), True
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
+    """Launches causal_scan_kernel; returns the number of column tiles."""
+    B, H, N, D = q.shape
+    Dv = v.shape[3]
+    na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
+    blocks, num_warps = _config(na, nc, q.dtype)
+    grid = (B * H, triton.cdiv(nc, blocks["BLOCK_C"]))
+    if den is None:
+        return grid[1]
+    mask, smb, smn, has_mask = _mask_args(key_padding_mask, q)
+    causal_scan_kernel[grid](
+        q, k, v, dout, mask, den, p, out,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn,
+        H, N, D, Dv, n_ptiles, eps,
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), **blocks, num_warps=num_warps, num_stages=2)
+    return grid[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(n, block_n, programs, device):
+    """Splits of the rows for the state pass: enough programs to fill the GPU (2 per SM)."""
+    if interpreting():
+        target = 2 * programs  # two splits, so the tests cover the reduction
+    else:
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(triton.cdiv(n, block_n), triton.cdiv(target, programs)))
+
+
+def _state(x, y, key_padding_mask, den, g):
+    """(S, z): S = sum X'^T Y (B*H, D, Dv), z = sum X' u (B*H, D), fp32; backward if den is given."""
+    B, H, N, D = x.shape
+    Dv = y.shape[3]
+    blocks, num_warps = _config(D, Dv, x.dtype)
+    c_tiles = triton.cdiv(Dv, blocks["BLOCK_C"])
+    splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
+    chunks_per_split = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), splits)
+    splits = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), chunks_per_split)
+    ws_s = torch.empty(B * H, splits, D, Dv, dtype=torch.float32, device=x.device)
+    ws_z = torch.empty(B * H, splits, D, dtype=torch.float32, device=x.device)
+    mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
+    backward = den is not None
+    state_kernel[(B * H, c_tiles, splits)](
+        x, y, mask, den if backward else ws_z, g if backward else ws_z, ws_s, ws_z,
+        *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, chunks_per_split,
+        BACKWARD=backward, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), **blocks,
+        num_warps=num_warps, num_stages=2)
+    if splits == 1:
+        return ws_s[:, 0], ws_z[:, 0]
+    return ws_s.sum(1), ws_z.sum(1)
+
+
+def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
+    B, H, N, D = x.shape
+    Dv = s.shape[-1]
+    blocks, num_warps = _config(D, Dv, x.dtype)
+    block_m = blocks.pop("BLOCK_N")
+    mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
+    apply_kernel[(B * H, triton.cdiv(N, block_m))](
+        x, y, mask, s, z, out, out2, den, g,
+        *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), BLOCK_M=block_m, **blocks,
+        num_warps=num_warps, num_stages=2)
+
+
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
+    B, H, Nq, _ = q.shape
+    out = new_output((B, H, Nq, v.shape[3]), q.dtype, q.device)
+    if is_causal:
+        dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        _scan(FWD_OUT, q, k, v, q, key_padding_mask, dummy, dummy, out, 0, eps)
+    else:
+        s, z = _state(k, v, key_padding_mask, None, None)
+        _apply(APPLY_OUT, q, q, None, s, z, out, out, z, z, eps)
+    return out
+
+
+def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    B, H, Nq, _ = q.shape
+    dq = new_output(tuple(q.shape), q.dtype, q.device)
+    dk = new_output(tuple(k.shape), k.dtype, k.device)
+    dv = new_output(tuple(v.shape), v.dtype, v.device)
+    den = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)
+    if is_causal:
+        n_ptiles = _scan(FWD_STATS, q, k, v, dout, key_padding_mask, None, None, None, 0, eps)
+        p = torch.empty(n_ptiles, B * H, Nq, dtype=torch.float32, device=q.device)
+        _scan(FWD_STATS, q, k, v, dout, key_padding_mask, den, p, den, n_ptiles, eps)
+        for mode, grad in ((BWD_DQ, dq), (BWD_DK, dk), (BWD_DV, dv)):
+            _scan(mode, q, k, v, dout, key_padding_mask, den, p, grad, n_ptiles, eps)
+    else:
+        g = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)
+        s, z = _state(k, v, key_padding_mask, None, None)
+        _apply(APPLY_DQ, q, dout, None, s, z, dq, dq, den, g, eps)
+        r_state, r = _state(q, dout, None, den, g)
+        _apply(APPLY_DKDV, k, v, key_padding_mask, r_state, r, dv, dk, den, g, eps)
+    return dq, dk, dv
 
 
 def compile_cases():
-    return []
+    """The kernel configs the launchers launch on a GPU, within CI's compile budget: listing every
+    one (10 kernel modes x ~17 block shapes x 3 dtypes x mask on/off) would take far longer, so
+    every kernel mode is compiled at each contracted width's largest column tile for half
+    precision (smaller column tiles of a width are the same program with smaller tiles), at the
+    smallest, middle and largest width for fp32 (its own, smaller blocks), with bf16 and the
+    mask on/off spread over them, plus the smallest shape."""
+    shapes = [(16, 16, torch.float16, True), (32, MAX_BLOCK_C, torch.bfloat16, False),
+              (64, MAX_BLOCK_C, torch.float16, True), (128, MAX_BLOCK_C, torch.float16, False),
+              (256, MAX_BLOCK_C, torch.float16, True), (16, MAX_BLOCK_C, torch.float32, False),
+              (64, MAX_BLOCK_C, torch.float32, True), (256, MAX_BLOCK_C, torch.float32, False)]
+    dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    cases = []
+    for na, nc, dtype, has_mask in shapes:
+        ty = dtypes[dtype]
+        if True:
+            ptr = f"*{ty}"
+            if True:
+                if True:
+                    blocks, num_warps = _config(na, nc, dtype)
+                    common = dict(HAS_MASK=has_mask, PRECISION=_precision(dtype))
+                    tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
+                    for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
+                        sig = {name: ptr for name in ("Q", "K", "V", "DO")}
+                        sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == FWD_STATS else ptr)
+                        sig.update({name: "i32" for name in (
+                            "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
+                            "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
+                        sig["eps"] = "fp32"
+                        const = dict(MODE=mode.value, **common, **blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=causal_scan_kernel, signature=sig,
+                                          constexprs=const, num_warps=num_warps, num_stages=2))
+                    for backward in (False, True):
+                        sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
+                        sig.update({name: "i32" for name in (
+                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV",
+                            "chunks_per_split")})
+                        const = dict(BACKWARD=backward, **common, **blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_state_bwd{int(backward)}_{tag}", fn=state_kernel,
+                                          signature=sig, constexprs=const, num_warps=num_warps, num_stages=2))
+                    apply_blocks = dict(blocks)
+                    apply_blocks["BLOCK_M"] = apply_blocks.pop("BLOCK_N")
+                    for mode in (APPLY_OUT, APPLY_DQ, APPLY_DKDV):
+                        sig = dict(X=ptr, Y=ptr, KPM="*u8", S="*fp32", Z="*fp32", OUT=ptr, OUT2=ptr, DEN="*fp32",
+                                   G="*fp32")
+                        sig.update({name: "i32" for name in (
+                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV")})
+                        sig["eps"] = "fp32"
+                        const = dict(MODE=mode.value, **common, **apply_blocks)
+                        sig.update({name: "constexpr" for name in const})
+                        cases.append(dict(name=f"linattn_apply_mode{mode.value}_{tag}", fn=apply_kernel, signature=sig,
+                                          constexprs=const, num_warps=num_warps, num_stages=2))
+    return cases
