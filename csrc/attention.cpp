@@ -369,12 +369,18 @@ struct Blocks {
   int64_t m, n;
 };
 
+// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; see benchmarks/bench_attention_cpu.py).
+// Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows when that leaves too
+// few tasks for the threads. Backward: 128 x 128 (64 or 256 query rows, or 64/256 keys, were slower).
 Blocks forward_blocks(const Problem& p) {
-  return {std::min<int64_t>(64, p.Nq), std::min<int64_t>(512, p.Nk)};
+  int64_t bm = 256;
+  const int64_t min_tasks = 4 * at::get_num_threads();
+  while (bm > 32 && p.B * p.H * ((p.Nq + bm - 1) / bm) < min_tasks) bm /= 2;
+  return {std::min(bm, p.Nq), std::min<int64_t>(512, p.Nk)};
 }
 
 Blocks backward_blocks(const Problem& p) {
-  return {std::min<int64_t>(64, p.Nq), std::min<int64_t>(128, p.Nk)};
+  return {std::min<int64_t>(128, p.Nq), std::min<int64_t>(128, p.Nk)};
 }
 
 // -------------------------------------------------------------------------------------------
