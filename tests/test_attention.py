@@ -284,3 +284,13 @@ def test_opcheck_cpp(dtype):
     torch.library.opcheck(ops.attention_backward,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, pad, True, 0.3,
                            0.0, 0, "cpp"))
+
+
+def test_float16_cpp():
+    """fp16 runs the same kernel (tile products in fp32 through the fallback product)."""
+    _need("cpp")
+    B, H, Nq, Nk = 2, 2, 70, 45
+    q, k, v = make_qkv(B, H, Nq, Nk, 40, 24, dtype=torch.float16, layout="bnhd")
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    mask = random_attn_mask((B, 1, Nq, Nk), "float", dtype=torch.float16)
+    check_attention("cpp", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True)
