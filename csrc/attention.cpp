@@ -238,6 +238,11 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.scale = static_cast<float>(scale);
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == p.B && m.size(1) == p.H && m.size(2) == p.Nq && m.size(3) == p.Nk,
+                "attn_mask must be a (B, H, Nq, Nk) = (", p.B, ", ", p.H, ", ", p.Nq, ", ", p.Nk,
+                ") view, got shape ", m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type(),
+                "attn_mask must be bool or have the query's dtype ", q.scalar_type(), ", got ", m.scalar_type());
     p.mask = m.data_ptr();
     p.mask_is_bool = m.scalar_type() == at::kBool;
     p.msb = m.stride(0);
@@ -245,7 +250,11 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     p.msm = m.stride(2);
     p.msn = m.stride(3);
   }
-  if (pad_contig.defined()) p.pad = pad_contig.data_ptr<bool>();
+  if (pad_contig.defined()) {
+    TORCH_CHECK(pad_contig.dim() == 2 && pad_contig.size(0) == p.B && pad_contig.size(1) == p.Nk,
+                "key_padding_mask must have shape (B, Nk) = (", p.B, ", ", p.Nk, "), got ", pad_contig.sizes());
+    p.pad = pad_contig.data_ptr<bool>();
+  }
   p.dropout = make_dropout(dropout_p, seed);
   return p;
 }
