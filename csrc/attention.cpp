@@ -1,15 +1,737 @@
-// PLACEHOLDER until the attention kernel lands (issue 3).
+// Softmax attention on the CPU: FlashAttention-2 style forward and backward.
+//
+// Queries and keys are processed in tiles with an online softmax, so nothing of size Nq x Nk is
+// ever allocated: each thread owns a (BLOCK_M x BLOCK_N) score tile and an fp32 output
+// accumulator. Tile products go through ATen's CPU BLAS (bf16/fp16 tiles multiply in their own
+// type into fp32), the softmax through at::vec. The contract (shapes, strides, masks, lse) is in
+// transformer_fast/attention.py.
+//
+// Masked positions are never multiplied by zero: a key that no row of a tile may attend to is
+// left out of the tile's value (and, in the backward, key) products, so NaN or inf stored in
+// padded keys/values cannot reach the output or the gradients.
+
+// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for
+// its own per-ISA builds; this translation unit is compiled for AVX2+FMA (or -march=native).
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+#endif
+
 #include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
 namespace transformer_fast {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Key-block status under the key padding mask.
+enum : uint8_t { kNoPadding = 0, kSomePadding = 1, kAllPadding = 2 };
+
+// ---- tile products. ATen's cpublas::gemm is not exported to extensions, so the BLAS that
+// libtorch_cpu ships and exports (MKL on x86-64 wheels: sgemm_, cblas_gemm_bf16bf16f32, which is
+// what cpublas::gemm calls inside PyTorch) is looked up at load time; where a symbol is missing
+// the product goes through at::addmm_ on tensor views instead (slower: per-call overhead).
+using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                          const int*, const float*, const int*, const float*, float*, const int*);
+using bf16_gemm_fn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                              float*, int);
+
+struct Blas {
+  sgemm_fn sgemm = nullptr;
+  bf16_gemm_fn gemm_bf16bf16f32 = nullptr;
+  Blas() {
+    if (std::getenv("TRANSFORMER_FAST_ATTENTION_ATEN_GEMM") == nullptr) {  // debugging: force the fallback
+      sgemm = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "sgemm_"));
+      gemm_bf16bf16f32 = reinterpret_cast<bf16_gemm_fn>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
+    }
+  }
+};
+
+const Blas& blas() {
+  static const Blas instance;
+  return instance;
+}
+
+// A row-major (rows x cols) matrix with leading dimension ld, optionally used transposed.
+template <typename T>
+at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  at::Tensor t = at::from_blob(const_cast<T*>(data), {trans ? cols : rows, trans ? rows : cols}, {ld, 1},
+                               at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+  return trans ? t.t() : t;
+}
+
+// Row-major C (M x N, fp32) = alpha * op(A) op(B) + beta * C; beta = 0 ignores C's contents.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const T* A, int64_t lda,
+          const T* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == 0.f ? 0.f : beta * C[r * ldc + c];
+    }
+    return;
+  }
+  // The stride of a matrix stored as a single row is arbitrary; BLAS wants ld >= the row length.
+  if ((trans_a ? K : M) == 1) lda = trans_a ? M : K;
+  if ((trans_b ? N : K) == 1) ldb = trans_b ? K : N;
+  if (M == 1) ldc = N;
+  const Blas& lib = blas();
+  if constexpr (std::is_same_v<T, float>) {
+    if (lib.sgemm != nullptr) {
+      // column-major: C^T (N x M) = op(B)^T op(A)^T
+      const int m = N, n = M, k = K, ia = ldb, ib = lda, ic = ldc;
+      const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+      lib.sgemm(&ta, &tb, &m, &n, &k, &alpha, B, &ia, A, &ib, &beta, C, &ic);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (lib.gemm_bf16bf16f32 != nullptr) {
+      constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+      lib.gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, M, N, K, alpha,
+                           reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B), ldb,
+                           beta, C, ldc);
+      return;
+    }
+  }
+  at::Tensor a = as_matrix(A, M, K, lda, trans_a), b = as_matrix(B, K, N, ldb, trans_b);
+  at::Tensor c = as_matrix(C, M, N, ldc, false);
+  if constexpr (std::is_same_v<T, float>) {
+    c.addmm_(a, b, beta, alpha);
+  } else {
+    at::Tensor prod = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+    if (beta == 0.f) {
+      c.copy_(prod).mul_(alpha);
+    } else {
+      c.mul_(beta).add_(prod, alpha);
+    }
+  }
+}
+
+template <typename T>
+inline void convert_row(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+inline float row_max(const float* x, int64_t n) {
+  int64_t c = 0;
+  float m = kNegInf;
+  if (n >= Vec::size()) {
+    Vec acc(kNegInf);
+    for (; c + Vec::size() <= n; c += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + c));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+// x <- exp(x - shift) in place; returns the sum.
+inline float exp_shift_sum(float* x, int64_t n, float shift) {
+  int64_t c = 0;
+  Vec acc(0.f);
+  const Vec vshift(shift);
+  for (; c + Vec::size() <= n; c += Vec::size()) {
+    Vec e = (Vec::loadu(x + c) - vshift).exp_u20();
+    e.store(x + c);
+    acc = acc + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; c < n; ++c) {
+    x[c] = std::exp(x[c] - shift);
+    sum += x[c];
+  }
+  return sum;
+}
+
+inline void scale_row(float* x, int64_t n, float s) {
+  at::vec::map([s](Vec a) { return a * Vec(s); }, x, x, n);
+}
+
+// ---- dropout: a counter-based hash of (seed, batch, head, query, key), so the backward
+// regenerates the forward's keep mask without storing it.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+struct Dropout {
+  float p = 0.f;
+  float inv_keep = 1.f;
+  uint32_t threshold = 0;  // keep iff the 24-bit hash >= threshold
+  uint64_t seed = 0;
+  bool active() const { return p > 0.f; }
+  uint64_t row_key(int64_t bh, int64_t Nq, int64_t i) const {
+    return mix64(seed ^ mix64(static_cast<uint64_t>(bh * Nq + i) + 0x632BE59BD9B4E019ULL));
+  }
+  // factor[c] = inv_keep if key j0 + c is kept for this row, else 0.
+  void factors(uint64_t key, int64_t j0, int64_t n, float* factor) const {
+    for (int64_t c = 0; c < n; ++c) {
+      const uint64_t h = mix64(key + static_cast<uint64_t>(j0 + c) * 0x9E3779B97F4A7C15ULL);
+      factor[c] = static_cast<uint32_t>(h >> 40) >= threshold ? inv_keep : 0.f;
+    }
+  }
+};
+
+Dropout make_dropout(double p, int64_t seed) {
+  Dropout d;
+  d.p = static_cast<float>(p);
+  if (p > 0) {
+    d.inv_keep = static_cast<float>(1.0 / (1.0 - p));
+    d.threshold = static_cast<uint32_t>(std::min(std::ceil(p * 16777216.0), 16777216.0));
+    d.seed = mix64(static_cast<uint64_t>(seed));
+  }
+  return d;
+}
+
+// Everything about the problem that both passes share.
+struct Problem {
+  int64_t B, H, Hk, Nq, Nk, D, Dv;
+  bool causal;
+  float scale;
+  // attn_mask: (B, H, Nq, Nk) view, element strides; nullptr when absent.
+  const void* mask = nullptr;
+  bool mask_is_bool = false;
+  int64_t msb = 0, msh = 0, msm = 0, msn = 0;
+  // key padding: (B, Nk), 1 = padded; nullptr when absent.
+  const bool* pad = nullptr;
+  Dropout dropout;
+};
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& attn_mask, const at::Tensor& pad_contig, bool is_causal,
+                     double scale, double dropout_p, int64_t seed) {
+  Problem p;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.Nq = q.size(2);
+  p.D = q.size(3);
+  p.Hk = k.size(1);
+  p.Nk = k.size(2);
+  p.Dv = v.size(3);
+  p.causal = is_causal;
+  p.scale = static_cast<float>(scale);
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const at::Tensor& m = *attn_mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == p.B && m.size(1) == p.H && m.size(2) == p.Nq && m.size(3) == p.Nk,
+                "attn_mask must be a (B, H, Nq, Nk) = (", p.B, ", ", p.H, ", ", p.Nq, ", ", p.Nk,
+                ") view, got shape ", m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type(),
+                "attn_mask must be bool or have the query's dtype ", q.scalar_type(), ", got ", m.scalar_type());
+    p.mask = m.data_ptr();
+    p.mask_is_bool = m.scalar_type() == at::kBool;
+    p.msb = m.stride(0);
+    p.msh = m.stride(1);
+    p.msm = m.stride(2);
+    p.msn = m.stride(3);
+  }
+  if (pad_contig.defined()) {
+    TORCH_CHECK(pad_contig.dim() == 2 && pad_contig.size(0) == p.B && pad_contig.size(1) == p.Nk,
+                "key_padding_mask must have shape (B, Nk) = (", p.B, ", ", p.Nk, "), got ", pad_contig.sizes());
+    p.pad = pad_contig.data_ptr<bool>();
+  }
+  p.dropout = make_dropout(dropout_p, seed);
+  return p;
+}
+
+// Status of each key block of each batch under the padding mask: (B, ceil(Nk / block)).
+std::vector<uint8_t> padding_status(const Problem& p, int64_t block) {
+  const int64_t nblocks = (p.Nk + block - 1) / block;
+  std::vector<uint8_t> status(p.B * nblocks, kNoPadding);
+  if (p.pad == nullptr) return status;
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t n = 0; n < nblocks; ++n) {
+      const int64_t j0 = n * block, j1 = std::min(p.Nk, j0 + block);
+      int64_t padded = 0;
+      for (int64_t j = j0; j < j1; ++j) padded += p.pad[b * p.Nk + j];
+      status[b * nblocks + n] = padded == 0 ? kNoPadding : padded == j1 - j0 ? kAllPadding : kSomePadding;
+    }
+  }
+  return status;
+}
+
+template <typename mask_t>
+void add_float_mask(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, const mask_t* base,
+                    int64_t i0, int64_t j0) {
+  for (int64_t r = 0; r < bm; ++r) {
+    const mask_t* m = base + (i0 + r) * p.msm + j0 * p.msn;
+    float* s = S + r * ldS;
+    if (p.msn == 1) {
+      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c]);
+    } else {
+      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c * p.msn]);
+    }
+  }
+}
+
+// Applies attn_mask, causality and key padding to the scaled score tile S (rows i0.., keys j0..).
+// The float mask is added first, so that the -inf of padding/causality overwrite whatever a
+// garbage key or mask value produced. Returns whether any position may have been masked.
+template <typename scalar_t>
+bool apply_masks(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, int64_t b, int64_t h,
+                 int64_t i0, int64_t j0, uint8_t pad_status) {
+  bool masked = false;
+  if (p.mask != nullptr) {
+    masked = true;
+    const int64_t off = b * p.msb + h * p.msh;
+    if (p.mask_is_bool) {
+      const bool* base = static_cast<const bool*>(p.mask) + off;
+      for (int64_t r = 0; r < bm; ++r) {
+        const bool* m = base + (i0 + r) * p.msm + j0 * p.msn;
+        float* s = S + r * ldS;
+        for (int64_t c = 0; c < bn; ++c) s[c] = m[c * p.msn] ? s[c] : kNegInf;
+      }
+    } else {
+      add_float_mask(p, S, ldS, bm, bn, static_cast<const scalar_t*>(p.mask) + off, i0, j0);
+    }
+  }
+  if (p.causal && j0 + bn - 1 > i0) {  // some key lies right of the diagonal
+    masked = true;
+    for (int64_t r = 0; r < bm; ++r) {
+      float* s = S + r * ldS;
+      for (int64_t c = std::max<int64_t>(0, i0 + r - j0 + 1); c < bn; ++c) s[c] = kNegInf;
+    }
+  }
+  if (pad_status == kSomePadding) {
+    masked = true;
+    const bool* pad = p.pad + b * p.Nk + j0;
+    for (int64_t r = 0; r < bm; ++r) {
+      float* s = S + r * ldS;
+      for (int64_t c = 0; c < bn; ++c) s[c] = pad[c] ? kNegInf : s[c];
+    }
+  }
+  return masked;
+}
+
+// The keys of a tile that some row uses: [lo, hi), and whether keys in between are unused.
+struct UsedKeys {
+  int64_t lo, hi;
+  bool holes;
+};
+
+// From the column sums of a probability tile: a key is used iff its column is not all zero.
+UsedKeys used_keys(const float* colsum, int64_t bn) {
+  UsedKeys u{0, 0, false};
+  int64_t lo = 0;
+  while (lo < bn && colsum[lo] == 0.f) ++lo;
+  int64_t hi = bn;
+  while (hi > lo && colsum[hi - 1] == 0.f) --hi;
+  u.lo = lo;
+  u.hi = hi;
+  for (int64_t c = lo; c < hi && !u.holes; ++c) u.holes = colsum[c] == 0.f;
+  return u;
+}
+
+// rows [lo, hi) of a (rows, width) strided matrix into dst (ld = width), unused rows zeroed.
+template <typename T>
+void copy_used_rows(const T* src, int64_t ld, int64_t width, const float* colsum, int64_t lo, int64_t hi, T* dst) {
+  for (int64_t c = lo; c < hi; ++c) {
+    T* d = dst + (c - lo) * width;
+    if (colsum[c] == 0.f) {
+      std::fill(d, d + width, T(0));
+    } else {
+      std::memcpy(d, src + c * ld, width * sizeof(T));
+    }
+  }
+}
+
+// Rows of a strided operand to feed a tile product restricted to the used keys: either the
+// operand itself from row lo, or a copy with the unused rows zeroed.
+template <typename T>
+inline const T* used_operand(const T* src, int64_t ld, int64_t width, const float* colsum, const UsedKeys& u,
+                             T* scratch, int64_t* ld_out) {
+  if (!u.holes) {
+    *ld_out = ld;
+    return src + u.lo * ld;
+  }
+  copy_used_rows(src, ld, width, colsum, u.lo, u.hi, scratch);
+  *ld_out = width;
+  return scratch;
+}
+
+struct Blocks {
+  int64_t m, n;
+};
+
+// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; see benchmarks/bench_attention_cpu.py).
+// Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows when that leaves too
+// few tasks for the threads. Backward: 128 x 128 (64 or 256 query rows, or 64/256 keys, were slower).
+Blocks forward_blocks(const Problem& p) {
+  int64_t bm = 256;
+  const int64_t min_tasks = 4 * at::get_num_threads();
+  while (bm > 32 && p.B * p.H * ((p.Nq + bm - 1) / bm) < min_tasks) bm /= 2;
+  return {std::min(bm, p.Nq), std::min<int64_t>(512, p.Nk)};
+}
+
+Blocks backward_blocks(const Problem& p) {
+  return {std::min<int64_t>(128, p.Nq), std::min<int64_t>(128, p.Nk)};
+}
+
+// -------------------------------------------------------------------------------------------
+// Forward
+// -------------------------------------------------------------------------------------------
+template <typename scalar_t>
+void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          at::Tensor& out, at::Tensor& lse) {
+  const Blocks blk = forward_blocks(p);
+  const int64_t BM = blk.m, BN = blk.n;
+  const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
+  const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
+  const std::vector<uint8_t> pad_status = padding_status(p, BN);
+  const int64_t group = p.H / p.Hk;
+
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k.data_ptr<scalar_t>();
+  const scalar_t* v_data = v.data_ptr<scalar_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  float* lse_data = lse.data_ptr<float>();
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsn = q.stride(2);
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksn = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
+  const int64_t D = p.D, Dv = p.Dv;
+  constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
+
+  at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
+    std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), v_scratch(BN * Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
+      const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
+      const int64_t i0 = mb * BM, bm = std::min(BM, p.Nq - i0);
+      const scalar_t* qt = q_data + b * qsb + h * qsh + i0 * qsn;
+      const scalar_t* kb = k_data + b * ksb + hk * ksh;
+      const scalar_t* vb = v_data + b * vsb + hk * vsh;
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + bm * Dv, 0.f);
+      const int64_t key_end = p.causal ? std::min(p.Nk, i0 + bm) : p.Nk;  // keys beyond are masked for all rows
+      for (int64_t j0 = 0, n = 0; j0 < key_end; j0 += BN, ++n) {
+        const uint8_t status = pad_status[b * n_nblocks + n];
+        if (status == kAllPadding) continue;
+        const int64_t bn = std::min(BN, p.Nk - j0);
+        gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+        const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
+        if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
+        for (int64_t r = 0; r < bm; ++r) {
+          float* s = S.data() + r * BN;
+          const float m_new = std::max(m[r], row_max(s, bn));
+          const float shift = m_new == kNegInf ? 0.f : m_new;  // all masked so far: exp(-inf) = 0
+          const float alpha = std::exp(m[r] - shift);
+          l[r] = l[r] * alpha + exp_shift_sum(s, bn, shift);
+          m[r] = m_new;
+          if (alpha != 1.f) scale_row(acc.data() + r * Dv, Dv, alpha);
+          if (p.dropout.active()) {
+            p.dropout.factors(p.dropout.row_key(bh, p.Nq, i0 + r), j0, bn, drop.data());
+            for (int64_t c = 0; c < bn; ++c) s[c] *= drop[c];
+          }
+          if (masked) {
+            for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
+          }
+          if constexpr (kLowp) convert_row(s, P_lowp.data() + r * BN, bn);
+        }
+        UsedKeys used{0, bn, false};
+        if (masked) used = used_keys(colsum.data(), bn);
+        if (used.hi <= used.lo) continue;
+        int64_t ldv;
+        const scalar_t* vt = used_operand(vb + j0 * vsn, vsn, Dv, colsum.data(), used, v_scratch.data(), &ldv);
+        if constexpr (kLowp) {
+          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, BN, vt, ldv, 1.f,
+               acc.data(), Dv);
+        } else {
+          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN, vt, ldv, 1.f, acc.data(),
+               Dv);
+        }
+      }
+      scalar_t* o = out_data + (bh * p.Nq + i0) * Dv;
+      for (int64_t r = 0; r < bm; ++r) {
+        float* a = acc.data() + r * Dv;
+        if (l[r] > 0.f) {
+          scale_row(a, Dv, 1.f / l[r]);
+          lse_data[bh * p.Nq + i0 + r] = m[r] + std::log(l[r]);
+        } else {  // no allowed key: 0, and exp(s - lse) = 0 in the backward
+          std::fill(a, a + Dv, 0.f);
+          lse_data[bh * p.Nq + i0 + r] = kInf;
+        }
+        convert_row(a, o + r * Dv, Dv);
+      }
+    }
+  });
+}
+
+// -------------------------------------------------------------------------------------------
+// Backward: one pass over (batch, key head, range of key blocks). Each task owns the dK, dV of
+// its key blocks (summed over the group's query heads, GQA) and accumulates dQ into its own
+// fp32 slice; the slices of the key-block ranges are summed in a fixed order afterwards, so the
+// result does not depend on scheduling.
+// -------------------------------------------------------------------------------------------
+template <typename scalar_t>
+void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
+                          at::Tensor& dk, at::Tensor& dv) {
+  const Blocks blk = backward_blocks(p);
+  const int64_t BM = blk.m, BN = blk.n;
+  const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
+  const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
+  const std::vector<uint8_t> pad_status = padding_status(p, BN);
+  const int64_t group = p.H / p.Hk;
+  const int64_t D = p.D, Dv = p.Dv;
+  constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
+
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k.data_ptr<scalar_t>();
+  const scalar_t* v_data = v.data_ptr<scalar_t>();
+  const scalar_t* do_data = dout.data_ptr<scalar_t>();
+  const scalar_t* o_data = out.data_ptr<scalar_t>();
+  const float* lse_data = lse.data_ptr<float>();
+  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsn = q.stride(2);
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksn = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
+  const int64_t dsb = dout.stride(0), dsh = dout.stride(1), dsn = dout.stride(2);
+  const int64_t osb = out.stride(0), osh = out.stride(1), osn = out.stride(2);
+
+  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included)
+  at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  float* delta_data = delta.data_ptr<float>();
+  at::parallel_for(0, p.B * p.H * p.Nq, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(Dv), c(Dv);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i = row % p.Nq, bh = row / p.Nq, b = bh / p.H, h = bh % p.H;
+      const scalar_t* dor = do_data + b * dsb + h * dsh + i * dsn;
+      const scalar_t* orow = o_data + b * osb + h * osh + i * osn;
+      float sum = 0.f;
+      for (int64_t d = 0; d < Dv; ++d) sum += static_cast<float>(dor[d]) * static_cast<float>(orow[d]);
+      delta_data[row] = sum;
+    }
+  });
+
+  // Split the key blocks of each (batch, key head) into ranges when there are too few of them
+  // to keep every thread busy.
+  const int64_t units = p.B * p.Hk;
+  const int64_t threads = at::get_num_threads();
+  int64_t n_splits = 1;
+  if (units < 4 * threads) n_splits = std::min(n_nblocks, (4 * threads + units - 1) / units);
+  const int64_t blocks_per_split = (n_nblocks + n_splits - 1) / n_splits;
+  n_splits = (n_nblocks + blocks_per_split - 1) / blocks_per_split;
+  at::Tensor dq_acc = at::zeros({n_splits, p.B, p.H, p.Nq, D}, q.options().dtype(at::kFloat));
+  float* dq_acc_data = dq_acc.data_ptr<float>();
+  scalar_t* dk_data = dk.data_ptr<scalar_t>();
+  scalar_t* dv_data = dv.data_ptr<scalar_t>();
+
+  at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
+    std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), dS_lowp(kLowp ? BM * BN : 0), k_scratch(BN * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t split = task % n_splits, bhk = task / n_splits;
+      const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
+      const scalar_t* kb = k_data + b * ksb + hk * ksh;
+      const scalar_t* vb = v_data + b * vsb + hk * vsh;
+      const int64_t n_end = std::min(n_nblocks, (split + 1) * blocks_per_split);
+      for (int64_t n = split * blocks_per_split; n < n_end; ++n) {
+        const int64_t j0 = n * BN, bn = std::min(BN, p.Nk - j0);
+        const uint8_t status = pad_status[b * n_nblocks + n];
+        std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
+        std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+        // Causal: query blocks whose last row is left of j0 see none of these keys.
+        const int64_t mb_start = p.causal ? std::min(n_mblocks, j0 / BM) : 0;
+        for (int64_t h = hk * group; h < (hk + 1) * group && status != kAllPadding; ++h) {
+          const int64_t bh = b * p.H + h;
+          for (int64_t mb = mb_start; mb < n_mblocks; ++mb) {
+            const int64_t i0 = mb * BM, bm = std::min(BM, p.Nq - i0);
+            if (p.causal && i0 + bm - 1 < j0) continue;
+            const scalar_t* qt = q_data + b * qsb + h * qsh + i0 * qsn;
+            const scalar_t* dot = do_data + b * dsb + h * dsh + i0 * dsn;
+            const float* lse_t = lse_data + bh * p.Nq + i0;
+            const float* delta_t = delta_data + bh * p.Nq + i0;
+            gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+            const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
+            if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
+            // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
+            for (int64_t r = 0; r < bm; ++r) {
+              float* s = S.data() + r * BN;
+              const Vec shift(lse_t[r]);
+              at::vec::map([shift](Vec x) { return (x - shift).exp_u20(); }, s, s, bn);
+              if (masked) {
+                for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
+              }
+            }
+            UsedKeys used{0, bn, false};
+            if (masked) used = used_keys(colsum.data(), bn);
+            if (used.hi <= used.lo) continue;
+            // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
+            gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb + j0 * vsn, vsn, 0.f, dP.data(), BN);
+            // Pd = P * dropout factor -> dV += Pd^T dO; dS = P * (dP * factor - delta)
+            for (int64_t r = 0; r < bm; ++r) {
+              float* s = S.data() + r * BN;
+              float* dp = dP.data() + r * BN;
+              float* f = drop.data() + r * BN;
+              if (p.dropout.active()) {
+                p.dropout.factors(p.dropout.row_key(bh, p.Nq, i0 + r), j0, bn, f);
+                for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
+              }
+              const float dl = delta_t[r];
+              for (int64_t c = 0; c < bn; ++c) dp[c] = s[c] == 0.f ? 0.f : s[c] * (dp[c] - dl);  // dP -> dS
+              if (p.dropout.active()) {
+                for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
+              }
+              if constexpr (kLowp) {
+                convert_row(s, P_lowp.data() + r * BN, bn);
+                convert_row(dp, dS_lowp.data() + r * BN, bn);
+              }
+            }
+            const int64_t nu = used.hi - used.lo;
+            if constexpr (kLowp) {
+              gemm(true, false, nu, Dv, bm, 1.f, P_lowp.data() + used.lo, BN, dot, dsn, 1.f,
+                   dv_acc.data() + used.lo * Dv, Dv);
+              gemm(true, false, nu, D, bm, 1.f, dS_lowp.data() + used.lo, BN, qt, qsn, 1.f,
+                   dk_acc.data() + used.lo * D, D);
+            } else {
+              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, BN, dot, dsn, 1.f, dv_acc.data() + used.lo * Dv,
+                   Dv);
+              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, BN, qt, qsn, 1.f, dk_acc.data() + used.lo * D,
+                   D);
+            }
+            // dQ += scale * dS K over the used keys
+            int64_t ldk;
+            const scalar_t* kt = used_operand(kb + j0 * ksn, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
+            float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
+            if constexpr (kLowp) {
+              gemm(false, false, bm, D, nu, p.scale, dS_lowp.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);
+            } else {
+              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);
+            }
+          }
+        }
+        scalar_t* dkt = dk_data + ((b * p.Hk + hk) * p.Nk + j0) * D;
+        scalar_t* dvt = dv_data + ((b * p.Hk + hk) * p.Nk + j0) * Dv;
+        for (int64_t c = 0; c < bn; ++c) {
+          scale_row(dk_acc.data() + c * D, D, p.scale);
+          convert_row(dk_acc.data() + c * D, dkt + c * D, D);
+          convert_row(dv_acc.data() + c * Dv, dvt + c * Dv, Dv);
+        }
+      }
+    }
+  });
+
+  // dQ: the splits summed in order.
+  scalar_t* dq_data = dq.data_ptr<scalar_t>();
+  const int64_t rows = p.B * p.H * p.Nq;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(D);
+    for (int64_t row = begin; row < end; ++row) {
+      std::memcpy(sum.data(), dq_acc_data + row * D, D * sizeof(float));
+      for (int64_t s = 1; s < n_splits; ++s) {
+        const float* part = dq_acc_data + (s * rows + row) * D;
+        for (int64_t d = 0; d < D; ++d) sum[d] += part[d];
+      }
+      convert_row(sum.data(), dq_data + row * D, D);
+    }
+  });
+}
+
+void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), fn, ": CPU tensors expected");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-D");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+              ": q, k, v must share a dtype");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, fn, ": key heads must divide query heads");
+}
+
+// Calls fn(scalar_t{}) for the dtypes with kernels: fp32, bf16, fp16 (tiles accumulate in fp32).
+template <typename Fn>
+void dispatch_dtype(const char* fn_name, at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: return fn(float{});
+    case at::kBFloat16: return fn(at::BFloat16{});
+    case at::kHalf: return fn(at::Half{});
+    default: TORCH_CHECK(false, fn_name, ": unsupported dtype ", dtype, " (float32, bfloat16, float16)");
+  }
+}
+
+// A unit stride along the last dim (any stride is fine when it has size 1).
+at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+at::Tensor padding_mask_contiguous(const std::optional<at::Tensor>& key_padding_mask) {
+  if (!key_padding_mask.has_value() || !key_padding_mask->defined()) return at::Tensor();
+  TORCH_CHECK(key_padding_mask->scalar_type() == at::kBool, "key_padding_mask must be bool");
+  return key_padding_mask->contiguous();
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, bool, double, double, int64_t) {
-  TORCH_CHECK(false, "attention_forward: not implemented in C++ yet");
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal, double scale, double dropout_p, int64_t seed) {
+  check_inputs("attention_forward", q_in, k_in, v_in);
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
+  const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor out = new_output({p.B, p.H, p.Nq, p.Dv}, q.options());
+  at::Tensor lse = new_output({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  if (p.B * p.H * p.Nq == 0) return {out, lse};
+  if (p.Nk == 0) {
+    out.zero_();
+    lse.fill_(kInf);
+    return {out, lse};
+  }
+  dispatch_dtype("attention_forward", q.scalar_type(), [&](auto tag) {
+    attention_fwd_kernel<decltype(tag)>(p, q, k, v, out, lse);
+  });
+  return {out, lse};
 }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, double,
-    double, int64_t) {
-  TORCH_CHECK(false, "attention_backward: not implemented in C++ yet");
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal, double scale, double dropout_p, int64_t seed) {
+  check_inputs("attention_backward", q_in, k_in, v_in);
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
+  const at::Tensor out = unit_last_stride(out_in.to(q.scalar_type()));
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
+  const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor dq = new_output(q.sizes(), q.options());
+  at::Tensor dk = new_output(k.sizes(), k.options());
+  at::Tensor dv = new_output(v.sizes(), v.options());
+  if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  dispatch_dtype("attention_backward", q.scalar_type(), [&](auto tag) {
+    attention_bwd_kernel<decltype(tag)>(p, dout, q, k, v, out, lse, dq, dk, dv);
+  });
+  return {dq, dk, dv};
 }
+
 }  // namespace transformer_fast

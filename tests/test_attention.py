@@ -1,0 +1,296 @@
+"""Softmax attention on the CPU backends (the C++ kernel, and the reference backend that shares
+the kernel-level contract) against the float64 reference. The Triton kernels have their own file."""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import _dispatch, reference
+
+from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+from helpers import assert_close_to_reference, compare_with_reference
+
+BACKENDS = ["reference", "cpp"]
+
+
+def _need(backend):
+    reason = tf.available_backends()[backend]
+    if reason is not None:
+        pytest.skip(f"{backend} backend unavailable: {reason}")
+
+
+def _dtypes(backend):
+    return [torch.float32, torch.bfloat16] if backend == "cpp" else [torch.float32]
+
+
+def _backend_dtype_params():
+    return [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b in BACKENDS for d in _dtypes(b)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, head dims, layouts, causality, GQA
+# ---------------------------------------------------------------------------------------------
+# (B, H, Hk, Nq, Nk, D, Dv, is_causal, layout)
+SHAPES = [
+    (1, 1, 1, 1, 1, 16, 16, False, "bhnd"),
+    (1, 1, 1, 1, 300, 64, 64, True, "bhnd"),  # one causal query sees one key
+    (1, 4, 4, 17, 17, 40, 40, True, "bhnd"),
+    (3, 4, 4, 64, 129, 64, 80, False, "bnhd"),
+    (3, 1, 1, 129, 64, 80, 64, True, "bhnd"),  # causal with Nq > Nk
+    (1, 4, 4, 300, 300, 128, 128, True, "qkv"),
+    (1, 4, 4, 129, 129, 96, 96, False, "qkv"),
+    (1, 4, 2, 17, 300, 256, 16, False, "bhnd"),  # GQA, Dv != D
+    (3, 4, 1, 300, 17, 16, 40, True, "bnhd"),  # multi-query, causal, Nq > Nk
+    (1, 4, 2, 64, 300, 160, 160, True, "bnhd"),  # GQA, causal with Nq < Nk
+]
+
+
+@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hk{}q{}k{}D{}Dv{}{}{}".format(
+    *s[:7], "-causal" if s[7] else "", "-" + s[8]))
+def test_shapes_and_layouts(backend, dtype, shape):
+    _need(backend)
+    B, H, Hk, Nq, Nk, D, Dv, is_causal, layout = shape
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype, layout=layout)
+    check_attention(backend, q, k, v, is_causal=is_causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks: key padding (with a fully padded sequence), bool and float attn_mask with broadcast
+# dims, causality, and their combinations
+# ---------------------------------------------------------------------------------------------
+# (mask kind or None, mask shape spec, key padding, causal, B, H, Nq, Nk, D, Dv)
+MASKS = [
+    (None, None, True, False, 3, 4, 129, 300, 64, 64),
+    (None, None, True, True, 3, 1, 300, 129, 40, 80),
+    ("bool", "qk", False, False, 1, 4, 64, 129, 64, 64),
+    ("float", "qk", False, True, 3, 4, 17, 64, 80, 80),
+    ("bool", "b1qk", True, False, 3, 4, 129, 129, 64, 40),
+    ("float", "b1qk", True, True, 3, 1, 129, 17, 16, 16),
+    ("bool", "1h1k", True, True, 3, 4, 300, 300, 40, 40),
+    ("float", "1h1k", False, False, 1, 4, 1, 129, 128, 128),
+    ("bool", "bhqk", True, True, 1, 4, 129, 64, 256, 64),
+    ("float", "bhqk", True, False, 3, 4, 64, 1, 64, 64),  # one key: most rows fully masked
+]
+
+
+def _mask_shape(spec, B, H, Nq, Nk):
+    return {"qk": (Nq, Nk), "b1qk": (B, 1, Nq, Nk), "1h1k": (1, H, 1, Nk), "bhqk": (B, H, Nq, Nk)}[spec]
+
+
+@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("case", MASKS, ids=lambda c: "{}-{}{}{}-B{}H{}q{}k{}D{}Dv{}".format(
+    c[0], c[1], "-pad" if c[2] else "", "-causal" if c[3] else "", *c[4:]))
+def test_masks(backend, dtype, case):
+    _need(backend)
+    kind, spec, padded, is_causal, B, H, Nq, Nk, D, Dv = case
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, dtype=dtype)
+    attn_mask = None if kind is None else random_attn_mask(_mask_shape(spec, B, H, Nq, Nk), kind, dtype=dtype)
+    pad = random_key_padding(B, Nk, fully_padded_row=B - 1 if B > 1 else None) if padded else None
+    check_attention(backend, q, k, v, attn_mask=attn_mask, key_padding_mask=pad, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_scale_and_non_contiguous_mask(backend):
+    _need(backend)
+    q, k, v = make_qkv(2, 3, 33, 47, 24, 40, layout="bnhd")
+    mask = random_attn_mask((2, 3, 47, 33), "float").transpose(-2, -1)  # strided along keys
+    check_attention(backend, q, k, v, attn_mask=mask, scale=0.37)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_garbage_in_masked_keys_does_not_leak(backend, is_causal):
+    """NaN/inf stored in padded keys and values (and in keys right of the causal diagonal, when
+    every query is left of them) must not reach the output or the gradients."""
+    _need(backend)
+    if backend == "reference":
+        pytest.skip("the reference materialises P @ V, so 0 * NaN leaks there by design")
+    B, H, Nq, Nk, D = 3, 2, 40, 150, 64
+    q, k, v = make_qkv(B, H, Nq, Nk, D)
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    pad[0, 5] = True  # a padded key in the middle of the row: a hole in a tile
+    pad[2, :3] = True
+    garbage = pad[:, None, :, None].clone()
+    if is_causal:
+        garbage[:, :, Nq:] = True  # keys no query may see
+
+    def poisoned(q, k, v):
+        k = k.masked_fill(garbage, float("nan"))
+        v = v.masked_fill(garbage, float("inf"))
+        return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad, backend=backend)
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad)
+
+    out = compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what="poisoned")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the fully padded sequence gives 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_sum_exp(backend):
+    """The kernel-level lse: the row's log-sum-exp of the scaled masked scores, +inf for rows
+    with no allowed key."""
+    _need(backend)
+    B, H, Nq, Nk, D = 2, 3, 37, 70, 32
+    q, k, v = make_qkv(B, H, Nq, Nk, D)
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    mask = random_attn_mask((Nq, Nk), "bool").expand(B, H, Nq, Nk)
+    out, lse = _dispatch.kernel("attention_forward", backend)(q, k, v, mask, pad, True, 0.2, 0.0, 0)
+    bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad,
+                                    is_causal=True, dtype=torch.float64)
+    expected = torch.logsumexp(q.double() @ k.double().transpose(-2, -1) * 0.2 + bias, dim=-1)
+    expected = torch.where(torch.isneginf(expected), float("inf"), expected)
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, Nq)
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected))
+    assert torch.isinf(lse[1]).all()
+    finite = torch.isfinite(expected)
+    assert (lse.double()[finite] - expected[finite]).abs().max() < 1e-5
+    assert out.is_contiguous() and out.shape == (B, H, Nq, D)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("Nq,Nk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(backend, Nq, Nk):
+    _need(backend)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, Nq, Nk, 16, 24))
+    out = tf.scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(2, Nk, dtype=torch.bool),
+                                          backend=backend)
+    assert out.shape == (2, 3, Nq, 24) and (out == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+def test_deterministic(backend, dtype):
+    _need(backend)
+    q, k, v = make_qkv(2, 4, 130, 250, 64, dtype=dtype, Hk=2)
+    pad = random_key_padding(2, 250)
+
+    def run():
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = tf.scaled_dot_product_attention(qq, kk, vv, is_causal=True, key_padding_mask=pad,
+                                              enable_gqa=True, backend=backend)
+        out.backward(torch.ones_like(out))
+        return out, qq.grad, kk.grad, vv.grad
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout
+# ---------------------------------------------------------------------------------------------
+def _sdpa_seeded(backend, seed, **kwargs):
+    def fn(q, k, v):
+        torch.manual_seed(seed)
+        return tf.scaled_dot_product_attention(q, k, v, backend=backend, **kwargs)
+    return fn
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_same_seed_same_result(backend):
+    _need(backend)
+    q, k, v = make_qkv(2, 3, 45, 77, 32)
+    a = _sdpa_seeded(backend, 1, dropout_p=0.3)(q, k, v)
+    b = _sdpa_seeded(backend, 1, dropout_p=0.3)(q, k, v)
+    c = _sdpa_seeded(backend, 2, dropout_p=0.3)(q, k, v)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_is_unbiased(backend):
+    """The mean over many seeds approaches the output without dropout, and about 1 - p of the
+    probabilities are kept."""
+    _need(backend)
+    p, runs = 0.25, 400
+    q, k, v = make_qkv(2, 2, 16, 16, 16)
+    expected = tf.scaled_dot_product_attention(q, k, v, backend=backend)
+    mean = sum(_sdpa_seeded(backend, s, dropout_p=p)(q, k, v) for s in range(runs)) / runs
+    assert (mean - expected).abs().max() < 0.06
+    eye = torch.eye(16).expand(2, 2, 16, 16)
+    kept = torch.stack([_sdpa_seeded(backend, s, dropout_p=p)(q, k, eye) != 0 for s in range(50)])
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.02
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("Hk", [3, 1])
+def test_dropout_gradients_match_reference_with_the_same_mask(backend, is_causal, Hk):
+    """The keep mask is recovered by running with v = identity (out = P * mask / (1 - p), and
+    P > 0 wherever a key is allowed); output and gradients for a random v must then match the
+    reference given that mask, so the backward regenerates the forward's mask exactly."""
+    _need(backend)
+    B, H, Nq, Nk, D, Dv, p, seed = 2, 3, 37, 70, 24, 72, 0.3, 1234
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk)
+    pad = random_key_padding(B, Nk)
+    kwargs = dict(dropout_p=p, is_causal=is_causal, key_padding_mask=pad, enable_gqa=Hk != H)
+    eye = torch.eye(Nk, Dv).expand(B, Hk, Nk, Dv)
+    probe = _sdpa_seeded(backend, seed, **kwargs)(q, k, eye)[..., :Nk]
+    keep = probe != 0
+    allowed = ~pad[:, None, None, :] & (torch.ones(Nq, Nk, dtype=torch.bool).tril() if is_causal else True)
+    kept_fraction = keep[allowed.expand_as(keep)].float().mean().item()
+    assert abs(kept_fraction - (1 - p)) < 0.03
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad,
+                                                      dropout_mask=keep, dropout_p=p)
+
+    compare_with_reference(_sdpa_seeded(backend, seed, **kwargs), ref, (q, k, v), grad_inputs=(0, 1, 2),
+                           what=f"dropout[{backend}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile and the op registration with the C++ backend
+# ---------------------------------------------------------------------------------------------
+def test_torch_compile_fullgraph():
+    _need("cpp")
+    q, k, v = make_qkv(2, 4, 33, 50, 40)
+    pad = random_key_padding(2, 50)
+    mask = random_attn_mask((33, 50), "float")
+
+    def fn(q, k, v):
+        return tf.scaled_dot_product_attention(q * 2, k, v, attn_mask=mask, is_causal=True,
+                                               key_padding_mask=pad, backend="cpp").sum(-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    args_eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    got, expected = compiled(*args), fn(*args_eager)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    expected.sum().backward()
+    for a, b in zip(args, args_eager):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_cpp(dtype):
+    _need("cpp")
+    B, H, Nq, Nk = 2, 4, 9, 13
+    q = torch.randn(B, H, Nq, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, 2, Nk, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, 2, Nk, 24, dtype=dtype, requires_grad=True)
+    pad = random_key_padding(B, Nk)
+    mask = random_attn_mask((1, H, Nq, Nk), "bool").expand(B, H, Nq, Nk)
+    ops = torch.ops.transformer_fast
+    torch.library.opcheck(ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0, "cpp"))
+    torch.library.opcheck(ops.attention_forward, (q, k, v, None, None, False, 0.25, 0.2, 7, "cpp"))
+    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.0, 0, "cpp")
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.attention_backward,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, pad, True, 0.3,
+                           0.0, 0, "cpp"))
+
+
+def test_float16_cpp():
+    """fp16 runs the same kernel (tile products in fp32 through the fallback product)."""
+    _need("cpp")
+    B, H, Nq, Nk = 2, 2, 70, 45
+    q, k, v = make_qkv(B, H, Nq, Nk, 40, 24, dtype=torch.float16, layout="bnhd")
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    mask = random_attn_mask((B, 1, Nq, Nk), "float", dtype=torch.float16)
+    check_attention("cpp", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True)
