@@ -172,10 +172,15 @@ class Seq2SeqTransformer(nn.Module):
                 else type(tokens).__name__
             raise ValueError(f"{name} must be a (B, N) integer tensor of token ids, got {got}")
 
-    def encode(self, src: torch.Tensor):
-        """(B, S) source tokens -> (memory (B, S, d_model), source padding mask (B, S) bool)."""
+    def encode(self, src: torch.Tensor, src_key_padding_mask: Optional[torch.Tensor] = None):
+        """(B, S) source tokens -> (memory (B, S, d_model), source padding mask (B, S) bool).
+        The mask (True = padded) defaults to ``src == pad_id``."""
         self._check_tokens("src", src)
-        src_key_padding_mask = src == self.pad_id
+        if src_key_padding_mask is None:
+            src_key_padding_mask = src == self.pad_id
+        elif src_key_padding_mask.shape != src.shape or src_key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"src_key_padding_mask must be a bool tensor of src's shape {tuple(src.shape)}, got "
+                             f"{src_key_padding_mask.dtype} of shape {tuple(src_key_padding_mask.shape)}")
         x = self.positional_encoding(self.src_embedding(src) * math.sqrt(self.d_model))
         memory = self.encoder(x, src_key_padding_mask=src_key_padding_mask)
         return memory, src_key_padding_mask
@@ -191,13 +196,17 @@ class Seq2SeqTransformer(nn.Module):
                          memory_key_padding_mask=memory_key_padding_mask, tgt_is_causal=True)
         return self.generator(x)
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """src (B, S), tgt (B, T) token ids (tgt starts with BOS) -> logits (B, T, tgt_vocab_size)."""
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_key_padding_mask: Optional[torch.Tensor] = None,
+                tgt_key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """src (B, S), tgt (B, T) token ids (tgt starts with BOS) -> logits (B, T, tgt_vocab_size).
+        The padding masks (bool, True = padded) default to ``src == pad_id`` and ``tgt == pad_id``."""
         self._check_tokens("tgt", tgt)
         if src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt must have the same batch size, got {src.shape[0]} and {tgt.shape[0]}")
-        memory, src_key_padding_mask = self.encode(src)
-        return self.decode(tgt, memory, src_key_padding_mask, tgt == self.pad_id)
+        memory, src_key_padding_mask = self.encode(src, src_key_padding_mask)
+        if tgt_key_padding_mask is None:
+            tgt_key_padding_mask = tgt == self.pad_id
+        return self.decode(tgt, memory, src_key_padding_mask, tgt_key_padding_mask)
 
     # ------------------------------------------------------------------------------------------
     # Incremental decoding
