@@ -48,7 +48,7 @@ def _linear_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.
 
 @_linear_attention_backward_op.register_fake
 def _(dout, q, k, v, key_padding_mask, is_causal, eps, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as every backend returns
 
 
 def _setup_context(ctx, inputs, output):
