@@ -50,11 +50,14 @@ def test_example_runs(attention, tmp_path, capsys):
     assert "held-out exact-sequence accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_example_runs_compiled(attention, tmp_path):
+def test_example_runs_compiled(attention, backend, tmp_path):
+    """aot_eager traces forward and backward through dynamo and AOTAutograd (the custom ops' fake
+    kernels included) in seconds; inductor also generates code (minutes on 2 cores: slow)."""
     torch._dynamo.reset()
-    result = train_seq2seq.main(TINY + ["--attention", attention, "--compile", "--out", str(tmp_path)],
-                                layers=_layers(attention))
+    result = train_seq2seq.main(TINY + ["--attention", attention, "--compile", "--compile-backend", backend,
+                                        "--out", str(tmp_path)], layers=_layers(attention))
     assert result["compiled"]
     _check_outputs(tmp_path, attention, result)
 
