@@ -36,7 +36,7 @@ FIRST_TOKEN = 3  # ids FIRST_TOKEN.. are the sequence symbols
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=["softmax", "linear"], default="softmax")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64, help="global batch size (split over DDP processes)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps, then cosine decay")
