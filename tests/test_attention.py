@@ -7,7 +7,7 @@ import transformer_fast as tf
 from transformer_fast import _dispatch, reference
 
 from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
-from helpers import assert_close_to_reference, compare_with_reference
+from helpers import compare_with_reference
 
 BACKENDS = ["reference", "cpp"]
 

@@ -4,74 +4,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-import transformer_fast
 from transformer_fast.models import PositionalEncoding, Seq2SeqTransformer
-
-try:
-    from transformer_fast import modules as _modules
-except ImportError:  # before transformer_fast.modules lands: torch.nn + a linear-attention stand-in
-    _modules = None
-
-
-# ----------------------------------------------------------------------------------------------
-# A stand-in for transformer_fast.modules' attention="linear" layers, used only where that module
-# is missing: out_proj(merge_heads(linear_attention(q, k, v, is_causal, key_padding_mask))).
-# ----------------------------------------------------------------------------------------------
-class _StandInMHA(nn.MultiheadAttention):
-    def __init__(self, *args, attention="softmax", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.attention = attention
-
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
-        if self.attention == "softmax":
-            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
-                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
-                                   is_causal=is_causal)
-        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
-        b_q, b_k, b_v = self.in_proj_bias.chunk(3)
-        B, Nq, E = query.shape
-        H = self.num_heads
-
-        def heads(x):
-            return x.view(B, -1, H, E // H).transpose(1, 2)
-
-        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
-            key_padding_mask = key_padding_mask == float("-inf")  # torch's layers pass it as a float mask
-        q, k, v = heads(F.linear(query, w_q, b_q)), heads(F.linear(key, w_k, b_k)), heads(F.linear(value, w_v, b_v))
-        out = transformer_fast.linear_attention(q, k, v, is_causal=is_causal or attn_mask is not None,
-                                                key_padding_mask=key_padding_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(B, Nq, E)), None
-
-
-class _StandInEncoderLayer(nn.TransformerEncoderLayer):
-    def __init__(self, d_model, nhead, dim_feedforward, dropout, *args, attention="softmax", **kwargs):
-        super().__init__(d_model, nhead, dim_feedforward, dropout, *args, **kwargs)
-        self.self_attn = _StandInMHA(d_model, nhead, dropout=dropout, batch_first=True, attention=attention)
-        self.activation_relu_or_gelu = False  # keeps torch's fused fast path (softmax only) away
-
-
-class _StandInDecoderLayer(nn.TransformerDecoderLayer):
-    def __init__(self, d_model, nhead, dim_feedforward, dropout, *args, attention="softmax", **kwargs):
-        super().__init__(d_model, nhead, dim_feedforward, dropout, *args, **kwargs)
-        self.self_attn = _StandInMHA(d_model, nhead, dropout=dropout, batch_first=True, attention=attention)
-        self.multihead_attn = _StandInMHA(d_model, nhead, dropout=dropout, batch_first=True, attention=attention)
-
-
-class _StandInLayers:
-    TransformerEncoderLayer = _StandInEncoderLayer
-    TransformerDecoderLayer = _StandInDecoderLayer
-    TransformerEncoder = nn.TransformerEncoder
-    TransformerDecoder = nn.TransformerDecoder
-
-
-def _layers(attention):
-    if _modules is not None or attention == "softmax":
-        return None  # the model's default: transformer_fast.modules (torch.nn until it exists)
-    return _StandInLayers
-
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 13
 
@@ -81,7 +15,7 @@ def make_model(attention="softmax", norm_first=False, d_model=24, nhead=3, dropo
     and the position (the trained-from-scratch initialisation emits one token everywhere)."""
     kwargs = dict(dict(num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=40, max_len=64), **kwargs)
     model = Seq2SeqTransformer(VOCAB, pad_id=PAD, d_model=d_model, nhead=nhead, dropout=dropout,
-                               norm_first=norm_first, attention=attention, layers=_layers(attention), **kwargs)
+                               norm_first=norm_first, attention=attention, **kwargs)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:

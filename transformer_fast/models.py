@@ -23,21 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import scaled_dot_product_attention
+from .layer_norm import LayerNorm
 from .linear_attention import LinearAttentionState, linear_attention_step
+from .modules import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["PositionalEncoding", "Seq2SeqTransformer", "DecoderCache", "LayerCache"]
 
 LINEAR_ATTENTION_EPS = 1e-6  # linear_attention's default eps, which the layers use
-
-
-def _default_layers():
-    """transformer_fast.modules (the layer classes with ``attention=``); torch.nn stands in for
-    softmax attention where that module is not installed."""
-    try:
-        from . import modules
-    except ImportError:
-        return None
-    return modules
 
 
 class PositionalEncoding(nn.Module):
@@ -115,14 +107,12 @@ class Seq2SeqTransformer(nn.Module):
             when ``norm_first``, as pre-norm Transformers need).
         attention: "softmax" or "linear".
         max_len: the longest source or target sequence (positional-encoding table size).
-        layers: the module providing ``TransformerEncoderLayer``/``TransformerDecoderLayer``/
-            ``TransformerEncoder``/``TransformerDecoder`` (default: ``transformer_fast.modules``).
     """
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: Optional[int] = None, *, pad_id: int = 0,
                  d_model: int = 512, nhead: int = 8, num_encoder_layers: int = 6, num_decoder_layers: int = 6,
                  dim_feedforward: int = 2048, dropout: float = 0.1, activation="relu", norm_first: bool = False,
-                 attention: str = "softmax", max_len: int = 512, layer_norm_eps: float = 1e-5, layers=None):
+                 attention: str = "softmax", max_len: int = 512, layer_norm_eps: float = 1e-5):
         super().__init__()
         if attention not in ("softmax", "linear"):
             raise ValueError(f"attention must be 'softmax' or 'linear', got {attention!r}")
@@ -131,28 +121,21 @@ class Seq2SeqTransformer(nn.Module):
         tgt_vocab_size = src_vocab_size if tgt_vocab_size is None else tgt_vocab_size
         if not (0 <= pad_id < src_vocab_size and pad_id < tgt_vocab_size):
             raise ValueError(f"pad_id must be a token id of both vocabularies, got {pad_id}")
-        if layers is None:
-            layers = _default_layers()
-        if layers is None:
-            if attention != "softmax":
-                raise ImportError("attention='linear' needs transformer_fast.modules, which is not installed")
-            layers = nn
-        extra = {} if layers is nn else {"attention": attention}
 
         self.d_model, self.nhead, self.pad_id, self.attention = d_model, nhead, pad_id, attention
         self.src_embedding = nn.Embedding(src_vocab_size, d_model)
         self.tgt_embedding = nn.Embedding(tgt_vocab_size, d_model)
         self.positional_encoding = PositionalEncoding(d_model, dropout, max_len)
-        encoder_layer = layers.TransformerEncoderLayer(
+        encoder_layer = TransformerEncoderLayer(
             d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first=True,
-            norm_first=norm_first, **extra)
-        decoder_layer = layers.TransformerDecoderLayer(
+            norm_first=norm_first, attention=attention)
+        decoder_layer = TransformerDecoderLayer(
             d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first=True,
-            norm_first=norm_first, **extra)
-        final_norm = (lambda: nn.LayerNorm(d_model, eps=layer_norm_eps)) if norm_first else (lambda: None)
-        self.encoder = layers.TransformerEncoder(encoder_layer, num_encoder_layers, norm=final_norm(),
+            norm_first=norm_first, attention=attention)
+        final_norm = (lambda: LayerNorm(d_model, eps=layer_norm_eps)) if norm_first else (lambda: None)
+        self.encoder = TransformerEncoder(encoder_layer, num_encoder_layers, norm=final_norm(),
                                                  enable_nested_tensor=False)
-        self.decoder = layers.TransformerDecoder(decoder_layer, num_decoder_layers, norm=final_norm())
+        self.decoder = TransformerDecoder(decoder_layer, num_decoder_layers, norm=final_norm())
         self.generator = nn.Linear(d_model, tgt_vocab_size)
         self._reset_parameters()
 
