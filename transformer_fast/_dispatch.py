@@ -119,6 +119,7 @@ _DTYPES = {
 }
 
 
+@torch.compiler.assume_constant_result  # torch.compile: evaluated at trace time, no graph break
 def _unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None) -> str | None:
     """Why `backend` cannot run on `device`/`dtype` (None: it can). None asks about any."""
     if backend == "reference":
