@@ -35,8 +35,8 @@ def _layer_norm_forward_op(x: torch.Tensor, residual: Optional[torch.Tensor], we
                            bias: Optional[torch.Tensor], eps: float, is_rms: bool,
                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
-        stats = x.new_empty(0, dtype=torch.float32)
-        return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
+        return (x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)),
+                x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32))
     y, h, mean, rstd = _dispatch.kernel("layer_norm_forward", backend)(x, residual, weight, bias, eps, is_rms)
     return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
 
