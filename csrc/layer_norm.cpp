@@ -141,10 +141,11 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
   const T* h = kResidual ? h_out : x;  // the normalised input, re-read from cache in pass 2
   const int64_t n_main = N - N % kStep;
   float mean = 0.f, rstd;
+  float shift = 0.f, mean_from_shift = 0.f;  // mean = shift + mean_from_shift
   // Pass 1: h = x + r and the statistics of h.
   if (kRms) {
     // Sum of squares, two-level: a block accumulator is flushed into the total every 64 steps.
-    Vec tot_a(0.f), tot_b(0.f);
+    double sumsq = 0;
     int64_t j = 0;
     while (j < n_main) {
       const int64_t block_end = std::min(n_main, j + 64 * kStep);
@@ -161,10 +162,8 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
         acc_a = at::vec::fmadd(ha, ha, acc_a);
         acc_b = at::vec::fmadd(hb, hb, acc_b);
       }
-      tot_a = tot_a + acc_a;
-      tot_b = tot_b + acc_b;
+      sumsq += lane_sum(acc_a + acc_b);
     }
-    double sumsq = lane_sum(tot_a) + static_cast<double>(lane_sum(tot_b));
     if (j < N) {
       Vec ha, hb;
       Io<T>::load(x + j, N - j, ha, hb);
@@ -185,21 +184,27 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
     } else {
       shift_scalar = static_cast<float>(x[0]);
     }
-    const Vec shift(shift_scalar);
-    LaneWelford lanes;
+    const Vec shift_vec(shift_scalar);
+    // Two levels: per-lane Welford over blocks of 64 steps, blocks merged in double.
+    Moments m;
     int64_t j = 0;
-    for (; j < n_main; j += kStep) {
-      Vec ha, hb;
-      Io<T>::load(x + j, ha, hb);
-      if (kResidual) {
-        Vec ra, rb;
-        Io<T>::load(r + j, ra, rb);
-        Io<T>::add_round(ha, hb, ra, rb, ha, hb);
-        Io<T>::store(h_out + j, ha, hb);
+    while (j < n_main) {
+      const int64_t block_end = std::min(n_main, j + 64 * kStep);
+      LaneWelford lanes;
+      for (; j < block_end; j += kStep) {
+        Vec ha, hb;
+        Io<T>::load(x + j, ha, hb);
+        if (kResidual) {
+          Vec ra, rb;
+          Io<T>::load(r + j, ra, rb);
+          Io<T>::add_round(ha, hb, ra, rb, ha, hb);
+          Io<T>::store(h_out + j, ha, hb);
+        }
+        lanes.step(ha - shift_vec, hb - shift_vec);
       }
-      lanes.step(ha - shift, hb - shift);
+      const Moments block = lanes.total();
+      m.merge(block.n, block.mean, block.m2);
     }
-    Moments m = lanes.total();
     if (j < N) {
       Vec ha, hb;
       Io<T>::load(x + j, N - j, ha, hb);
@@ -218,16 +223,19 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
     }
     const double var = std::max(m.m2 / static_cast<double>(N), 0.0);
     mean = static_cast<float>(shift_scalar + m.mean);
+    shift = shift_scalar;
+    mean_from_shift = static_cast<float>(m.mean);
     rstd = 1.f / std::sqrt(static_cast<float>(var) + eps);
   }
   if (mean_out != nullptr) *mean_out = mean;
   *rstd_out = rstd;
 
-  // Pass 2: y = (h - mean) * rstd * w + b (h - mean first: exact for h near a large mean).
-  const Vec vscale(rstd), vmean(mean);
+  // Pass 2: y = ((h - shift) - mean_from_shift) * rstd * w + b: h - shift is exact for h near
+  // a large mean, and the mean is not rounded to float first.
+  const Vec vscale(rstd), vshift(shift), vmean(mean_from_shift);
   auto normalise = [&](int64_t j, Vec& ya, Vec& yb, const Vec& ha, const Vec& hb) {
-    ya = (ha - vmean) * vscale;
-    yb = (hb - vmean) * vscale;
+    ya = ((ha - vshift) - vmean) * vscale;
+    yb = ((hb - vshift) - vmean) * vscale;
     if (w != nullptr) {
       if (b != nullptr) {
         ya = at::vec::fmadd(ya, Vec::loadu(w + j), Vec::loadu(b + j));
@@ -314,7 +322,7 @@ inline void backward_row(const T* dy, const T* dh, const T* h, T* dx, const floa
   const int64_t n_main = N - N % kStep;
   const Vec vmean(mean), vrstd(rstd);
   // Pass 1: sum(g) and sum(g * xhat), plus the weight/bias gradient contributions.
-  Vec sg_tot(0.f), sgx_tot(0.f);
+  double sum_g = 0, sum_gx = 0;
   auto pass1 = [&](int64_t j, const Vec& dya, const Vec& dyb, const Vec& ha, const Vec& hb, Vec& sg, Vec& sgx) {
     const Vec xa = (ha - vmean) * vrstd, xb = (hb - vmean) * vrstd;
     Vec ga = dya, gb = dyb;
@@ -343,28 +351,30 @@ inline void backward_row(const T* dy, const T* dh, const T* h, T* dx, const floa
       Io<T>::load(h + j, ha, hb);
       pass1(j, dya, dyb, ha, hb, sg, sgx);
     }
-    sg_tot = sg_tot + sg;
-    sgx_tot = sgx_tot + sgx;
+    sum_g += lane_sum(sg);
+    sum_gx += lane_sum(sgx);
   }
   if (j < N) {
-    Vec dya, dyb, ha, hb;
+    Vec dya, dyb, ha, hb, sg(0.f), sgx(0.f);
     Io<T>::load(dy + j, N - j, dya, dyb);  // padding: dy = 0, so it adds nothing anywhere
     Io<T>::load(h + j, N - j, ha, hb);
-    pass1(j, dya, dyb, ha, hb, sg_tot, sgx_tot);
+    pass1(j, dya, dyb, ha, hb, sg, sgx);
+    sum_g += lane_sum(sg);
+    sum_gx += lane_sum(sgx);
   }
-  const float inv_n = 1.f / static_cast<float>(N);
-  const float c_gx = lane_sum(sgx_tot) * inv_n;
-  const float c_g = kRms ? 0.f : lane_sum(sg_tot) * inv_n;
-  // Pass 2: dx = rstd * (g - xhat * c_gx - c_g) + dh = g * rstd + (h - mean) * (-rstd^2 c_gx) - rstd c_g.
-  const Vec va(-rstd * rstd * c_gx), vc(-rstd * c_g);
+  const float c_gx = static_cast<float>(sum_gx / static_cast<double>(N));
+  const float c_g = kRms ? 0.f : static_cast<float>(sum_g / static_cast<double>(N));
+  // Pass 2: dx = rstd * (g - c_g - xhat * c_gx) + dh.
+  const Vec vgx(c_gx), vg(c_g);
   auto pass2 = [&](int64_t j, const Vec& dya, const Vec& dyb, const Vec& ha, const Vec& hb, Vec& dxa, Vec& dxb) {
     Vec ga = dya, gb = dyb;
     if (w != nullptr) {
       ga = ga * Vec::loadu(w + j);
       gb = gb * Vec::loadu(w + j + kVec);
     }
-    dxa = at::vec::fmadd(ga, vrstd, at::vec::fmadd(ha - vmean, va, vc));
-    dxb = at::vec::fmadd(gb, vrstd, at::vec::fmadd(hb - vmean, va, vc));
+    const Vec xa = (ha - vmean) * vrstd, xb = (hb - vmean) * vrstd;
+    dxa = at::vec::fnmadd(xa, vgx, ga - vg) * vrstd;
+    dxb = at::vec::fnmadd(xb, vgx, gb - vg) * vrstd;
   };
   for (j = 0; j < n_main; j += kStep) {
     Vec dya, dyb, ha, hb, dxa, dxb;

@@ -55,10 +55,16 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
             y = y + b[None, :]
         tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
-        # One row, in tiles: pass 1 writes h and merges per-tile moments, pass 2 writes y.
+        # One row, in tiles: pass 1 writes h and merges per-tile moments of h - shift (shift =
+        # the row's first element, so a large common offset costs no precision), pass 2 writes y.
         row = pid.to(tl.int64)
+        shift = 0.0
+        if not IS_RMS:
+            shift = tl.load(X + row * stride_x).to(tl.float32)
+            if HAS_RESIDUAL:
+                shift = (shift + tl.load(R + row * stride_r).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
         count = 0.0
-        mean = 0.0
+        mean = 0.0  # of h - shift
         m2 = 0.0
         for start in range(0, N, BLOCK_N):
             c = start + cols
@@ -72,6 +78,7 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
             if IS_RMS:
                 m2 += tl.sum(x * x, axis=0)
             else:
+                x = tl.where(cmask, x - shift, 0.0)
                 n_tile = tl.minimum(N - start, BLOCK_N).to(tl.float32)
                 tile_mean = tl.sum(x, axis=0) / n_tile
                 d = tl.where(cmask, x - tile_mean, 0.0)
@@ -82,10 +89,8 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
                 m2 += tile_m2 + delta * delta * (count * n_tile / total)
                 count = total
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
-        if IS_RMS:
-            mean = 0.0
-        else:
-            tl.store(Mean + row, mean)
+        if not IS_RMS:
+            tl.store(Mean + row, shift + mean)
         tl.store(Rstd + row, rstd)
         if HAS_RESIDUAL:
             tl.debug_barrier()  # pass 2 re-reads h, written by other threads of this program
@@ -96,7 +101,7 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
                 x = tl.load(H + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(X + row * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
-            y = (x - mean) * rstd
+            y = ((x - shift) - mean) * rstd
             if HAS_WEIGHT:
                 y = y * tl.load(W + c, mask=cmask, other=0.0)
             if HAS_BIAS:
