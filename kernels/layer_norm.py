@@ -211,20 +211,22 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
-def _tiles(N):
+def _tiles(N, backward=False):
     """(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps) for rows of width N: a pure function of N, so
-    compile_cases() can list every config."""
+    compile_cases() can list every config. The backward holds more live tensors per element, so
+    it takes half the rows per step and up to 16 warps (at most 16 elements a thread)."""
     if N <= MAX_TILE:
         block_n = max(MIN_TILE, next_power_of_2(N))
-        block_m = max(1, ROW_TILE // block_n)
-        warps = max(1, min(8, block_m * block_n // 512))
+        rows_tile = ROW_TILE // 2 if backward else ROW_TILE
+        block_m = max(1, rows_tile // block_n)
+        warps = max(1, min(16 if backward else 8, block_m * block_n // (256 if backward else 512)))
         return block_m, block_n, True, warps
     return 1, LOOP_TILE, False, 8
 
 
-def _all_tiles():
+def _all_tiles(backward):
     widths = [MIN_TILE << i for i in range((MAX_TILE // MIN_TILE).bit_length())] + [MAX_TILE + 1]
-    return [_tiles(n) for n in widths]
+    return [_tiles(n, backward) for n in widths]
 
 
 def _check_rows(name, t, M, N, dtype, device):
@@ -294,7 +296,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     rstd = rstd.contiguous()
     mean = rstd if is_rms else mean.contiguous()
     dx = new_output((M, N), h.dtype, h.device)
-    block_m, block_n, single, warps = _tiles(N)
+    block_m, block_n, single, warps = _tiles(N, backward=True)
     rows_per_program = triton.cdiv(M, _num_programs(h.device))
     if single:
         rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
@@ -352,10 +354,11 @@ def compile_cases():
     cases = []
     kernels = ((layer_norm_fwd_kernel, "layer_norm_fwd", "HAS_RESIDUAL"),
                (layer_norm_bwd_kernel, "layer_norm_bwd", "HAS_DH"))
-    two_tiles = (_tiles(1024), _tiles(MAX_TILE + 1))
     for kernel, name, extra in kernels:
+        backward = kernel is layer_norm_bwd_kernel
+        two_tiles = (_tiles(1024, backward), _tiles(MAX_TILE + 1, backward))
         every = {extra: True, "HAS_WEIGHT": True, "HAS_BIAS": True, "IS_RMS": False}
-        for tile in _all_tiles():
+        for tile in _all_tiles(backward):
             cases.append(_case(kernel, name, torch.float16, tile, every))
         for dtype in (torch.float32, torch.bfloat16):
             for tile in two_tiles:
