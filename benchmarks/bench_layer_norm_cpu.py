@@ -1,12 +1,13 @@
 """Fused residual + LayerNorm on CPU against torch's `x + r` then `F.layer_norm`, as ratios.
 
-    python benchmarks/bench_layer_norm_cpu.py [--rows 4096] [--width 1024] [--iters 40] [--rms] [--threads T]
+    python benchmarks/bench_layer_norm_cpu.py [--rows 4096] [--width 1024] [--iters 40] [--rms] [--threads T] [--heap]
 
 Every variant runs once per round, in a rotating order, and the medians over the rounds are
 compared (the machine is shared and noisy). The achieved bandwidth of the fused forward (4 tensors
 moved: x, r in; h, y out) is reported against `dst.copy_(src)` on same-size buffers measured in
-the same rounds. Re-executes itself with MALLOC_MMAP_MAX_=0 so 16 MiB outputs do not page-fault
-on every call.
+the same rounds. --heap re-executes it with MALLOC_MMAP_MAX_=0 and no heap trimming, so 16 MiB
+outputs come from the heap instead of fresh mmaps (by default glibc raises its mmap threshold
+after the first free of such a block, which does the same).
 """
 import argparse
 import os
@@ -14,8 +15,8 @@ import statistics
 import sys
 import time
 
-if os.environ.get("MALLOC_MMAP_MAX_") != "0":
-    os.environ["MALLOC_MMAP_MAX_"] = "0"
+if "--heap" in sys.argv and os.environ.get("MALLOC_MMAP_MAX_") != "0":
+    os.environ.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     os.execv(sys.executable, [sys.executable] + sys.argv)
 
 import torch  # noqa: E402
@@ -33,6 +34,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rms", action="store_true", help="RMSNorm instead of LayerNorm")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--heap", action="store_true", help="MALLOC_MMAP_MAX_=0, no trimming")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

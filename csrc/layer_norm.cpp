@@ -1,9 +1,9 @@
 // LayerNorm / RMSNorm with the residual add fused in, forward and backward, on CPU.
 //
 // Forward, per row: one pass over x (and the residual) writes h = x + residual and gathers the
-// statistics; a second pass over h, which is still in L1/L2, writes y. Statistics are float32:
-// per-lane Welford/Chan updates on values shifted by the row's first element, so a large common
-// offset (mean 1e4, small variance) loses nothing to cancellation.
+// statistics; a second pass over h, which is still in L1/L2, writes y. Statistics are float32
+// sums of values shifted near 0 within blocks of 1024 elements, blocks merged in double (Chan et
+// al.), so a large common offset (mean 1e4, small variance) loses nothing to cancellation.
 // Backward, per row: one pass gathers sum(g) and sum(g * xhat) (g = dy * weight) and the
 // weight/bias gradient contributions; a second pass over the cached row writes dx. dweight/dbias
 // are summed into one float32 buffer per block of rows, then reduced in block order: the result
@@ -103,35 +103,6 @@ struct Moments {
   }
 };
 
-// Per-lane Welford over pairs of vectors: after k steps each lane holds the mean and M2 of its
-// 2k values. Call step() with (a, b) already shifted.
-struct LaneWelford {
-  Vec mean = Vec(0.f), m2 = Vec(0.f);
-  int64_t steps = 0;
-  inline void step(const Vec& a, const Vec& b) {
-    const Vec half(0.5f);
-    const Vec chunk_mean = (a + b) * half;
-    const Vec d = a - b;
-    const Vec delta = chunk_mean - mean;
-    const float inv = 1.f / static_cast<float>(steps + 1);
-    // M2 += (a - b)^2 / 2 + delta^2 * (2k * 2) / (2k + 2)
-    m2 = at::vec::fmadd(d * d, half, m2);
-    m2 = at::vec::fmadd(delta * delta, Vec(2.f * static_cast<float>(steps) * inv), m2);
-    mean = at::vec::fmadd(delta, Vec(inv), mean);
-    ++steps;
-  }
-  Moments total() const {
-    alignas(64) float means[kVec], m2s[kVec];
-    mean.store(means);
-    m2.store(m2s);
-    Moments out;
-    const double n = 2.0 * static_cast<double>(steps);
-    if (steps == 0) return out;
-    for (int64_t i = 0; i < kVec; ++i) out.merge(n, means[i], m2s[i]);
-    return out;
-  }
-};
-
 // ---------------------------------------------------------------------------------------------
 // Forward of one row: h (optional output), statistics, y.
 // ---------------------------------------------------------------------------------------------
@@ -140,25 +111,35 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
                         float eps, float* mean_out, float* rstd_out) {
   const T* h = kResidual ? h_out : x;  // the normalised input, re-read from cache in pass 2
   const int64_t n_main = N - N % kStep;
-  float mean = 0.f, rstd;
-  float shift = 0.f, mean_from_shift = 0.f;  // mean = shift + mean_from_shift
-  // Pass 1: h = x + r and the statistics of h.
+  // Loads kStep elements (n < kStep: a zero-padded tail) of x, adds the residual, stores h.
+  auto load_h = [&](int64_t j, int64_t n, Vec& ha, Vec& hb) {
+    if (n == kStep) Io<T>::load(x + j, ha, hb);
+    else Io<T>::load(x + j, n, ha, hb);
+    if (kResidual) {
+      Vec ra, rb;
+      if (n == kStep) Io<T>::load(r + j, ra, rb);
+      else Io<T>::load(r + j, n, ra, rb);
+      Io<T>::add_round(ha, hb, ra, rb, ha, hb);
+      if (n == kStep) Io<T>::store(h_out + j, ha, hb);
+      else Io<T>::store(h_out + j, n, ha, hb);
+    }
+  };
+  float rstd;
+  // y = ((h - shift) - mean_from_shift) * rstd: h - shift is exact for h near a large common
+  // offset, and mean_from_shift is small, so the mean's rounding to float costs nothing.
+  float shift = 0.f, mean_from_shift = 0.f;
+  // Pass 1: h = x + r and the statistics of h, in blocks of kBlock steps whose float sums are
+  // added up in double.
+  constexpr int64_t kBlock = 64;
   if (kRms) {
-    // Sum of squares, two-level: a block accumulator is flushed into the total every 64 steps.
     double sumsq = 0;
     int64_t j = 0;
     while (j < n_main) {
-      const int64_t block_end = std::min(n_main, j + 64 * kStep);
+      const int64_t block_end = std::min(n_main, j + kBlock * kStep);
       Vec acc_a(0.f), acc_b(0.f);
       for (; j < block_end; j += kStep) {
         Vec ha, hb;
-        Io<T>::load(x + j, ha, hb);
-        if (kResidual) {
-          Vec ra, rb;
-          Io<T>::load(r + j, ra, rb);
-          Io<T>::add_round(ha, hb, ra, rb, ha, hb);
-          Io<T>::store(h_out + j, ha, hb);
-        }
+        load_h(j, kStep, ha, hb);
         acc_a = at::vec::fmadd(ha, ha, acc_a);
         acc_b = at::vec::fmadd(hb, hb, acc_b);
       }
@@ -166,76 +147,59 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
     }
     if (j < N) {
       Vec ha, hb;
-      Io<T>::load(x + j, N - j, ha, hb);
-      if (kResidual) {
-        Vec ra, rb;
-        Io<T>::load(r + j, N - j, ra, rb);
-        Io<T>::add_round(ha, hb, ra, rb, ha, hb);
-        Io<T>::store(h_out + j, N - j, ha, hb);
-      }
+      load_h(j, N - j, ha, hb);
       sumsq += lane_sum(ha * ha + hb * hb);  // the padding lanes hold 0
     }
     rstd = 1.f / std::sqrt(static_cast<float>(sumsq / static_cast<double>(N)) + eps);
   } else {
-    // Shift by the row's first element so the moments are of values near 0.
-    float shift_scalar;
-    if (kResidual) {
-      shift_scalar = static_cast<float>(static_cast<T>(static_cast<float>(x[0]) + static_cast<float>(r[0])));
-    } else {
-      shift_scalar = static_cast<float>(x[0]);
-    }
-    const Vec shift_vec(shift_scalar);
-    // Two levels: per-lane Welford over blocks of 64 steps, blocks merged in double.
+    // Sums of (h - s) and (h - s)^2 per block, s = the mean of the block's first kStep values:
+    // the moments of values near 0, and (block mean - s)^2 / block variance, the cancellation
+    // in M2 = S2 - S1^2 / n, stays below ~kBlock even for skewed rows. Blocks merge with Chan's
+    // formula in double.
     Moments m;
     int64_t j = 0;
     while (j < n_main) {
-      const int64_t block_end = std::min(n_main, j + 64 * kStep);
-      LaneWelford lanes;
-      for (; j < block_end; j += kStep) {
-        Vec ha, hb;
-        Io<T>::load(x + j, ha, hb);
-        if (kResidual) {
-          Vec ra, rb;
-          Io<T>::load(r + j, ra, rb);
-          Io<T>::add_round(ha, hb, ra, rb, ha, hb);
-          Io<T>::store(h_out + j, ha, hb);
-        }
-        lanes.step(ha - shift_vec, hb - shift_vec);
+      const int64_t block_begin = j, block_end = std::min(n_main, j + kBlock * kStep);
+      Vec ha, hb;
+      load_h(j, kStep, ha, hb);
+      const float s = lane_sum(ha + hb) * (1.f / kStep);
+      if (block_begin == 0) shift = s;
+      const Vec vs(s);
+      Vec s1a = ha - vs, s1b = hb - vs;
+      Vec s2a = s1a * s1a, s2b = s1b * s1b;
+      for (j += kStep; j < block_end; j += kStep) {
+        load_h(j, kStep, ha, hb);
+        const Vec da = ha - vs, db = hb - vs;
+        s1a = s1a + da;
+        s1b = s1b + db;
+        s2a = at::vec::fmadd(da, da, s2a);
+        s2b = at::vec::fmadd(db, db, s2b);
       }
-      const Moments block = lanes.total();
-      m.merge(block.n, block.mean, block.m2);
+      const double n = static_cast<double>(block_end - block_begin);
+      const double s1 = lane_sum(s1a + s1b), s2 = lane_sum(s2a + s2b);
+      m.merge(n, s + s1 / n, std::max(s2 - s1 * s1 / n, 0.0));
     }
     if (j < N) {
       Vec ha, hb;
-      Io<T>::load(x + j, N - j, ha, hb);
-      if (kResidual) {
-        Vec ra, rb;
-        Io<T>::load(r + j, N - j, ra, rb);
-        Io<T>::add_round(ha, hb, ra, rb, ha, hb);
-        Io<T>::store(h_out + j, N - j, ha, hb);
-      }
+      load_h(j, N - j, ha, hb);
       alignas(64) float tail[kStep];
       ha.store(tail);
       hb.store(tail + kVec);
-      Moments t;
-      for (int64_t i = 0; i < N - j; ++i) t.merge(1, tail[i] - shift_scalar, 0);
-      m.merge(t.n, t.mean, t.m2);
+      if (j == 0) shift = tail[0];
+      for (int64_t i = 0; i < N - j; ++i) m.merge(1, tail[i], 0);
     }
     const double var = std::max(m.m2 / static_cast<double>(N), 0.0);
-    mean = static_cast<float>(shift_scalar + m.mean);
-    shift = shift_scalar;
-    mean_from_shift = static_cast<float>(m.mean);
+    *mean_out = static_cast<float>(m.mean);
+    mean_from_shift = static_cast<float>(m.mean - shift);
     rstd = 1.f / std::sqrt(static_cast<float>(var) + eps);
   }
-  if (mean_out != nullptr) *mean_out = mean;
   *rstd_out = rstd;
 
-  // Pass 2: y = ((h - shift) - mean_from_shift) * rstd * w + b: h - shift is exact for h near
-  // a large mean, and the mean is not rounded to float first.
-  const Vec vscale(rstd), vshift(shift), vmean(mean_from_shift);
+  // Pass 2: y = (h - shift) * rstd - mean_from_shift * rstd, then the affine.
+  const Vec vscale(rstd), vshift(shift), voffset(-mean_from_shift * rstd);
   auto normalise = [&](int64_t j, Vec& ya, Vec& yb, const Vec& ha, const Vec& hb) {
-    ya = ((ha - vshift) - vmean) * vscale;
-    yb = ((hb - vshift) - vmean) * vscale;
+    ya = at::vec::fmadd(ha - vshift, vscale, voffset);
+    yb = at::vec::fmadd(hb - vshift, vscale, voffset);
     if (w != nullptr) {
       if (b != nullptr) {
         ya = at::vec::fmadd(ya, Vec::loadu(w + j), Vec::loadu(b + j));
