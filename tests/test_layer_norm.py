@@ -94,6 +94,15 @@ def test_triton_against_reference(width, dtype):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_many_narrow_rows(backend):
+    """Several programs/threads, each with several row tiles, and their partial weight gradients."""
+    _skip_unavailable(backend)
+    _check(backend, (300,), 7, torch.float32, False, True, True, True)
+    _check(backend, (3, 70), 33, torch.float16, True, True, False, False)
+
+
+@pytest.mark.triton
 def test_triton_widest_rows():
     _skip_unavailable("triton")
     _check("triton", (2,), 65536, torch.float32, False, True, True, True)
