@@ -93,8 +93,7 @@ def test_triton_against_reference(width, dtype):
         _check("triton", lead, width, dtype, is_rms, has_w, has_b, residual)
 
 
-@pytest.mark.triton
-@pytest.mark.parametrize("backend", ["triton", "cpp"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "cpp"])
 def test_many_narrow_rows(backend):
     """Several programs/threads, each with several row tiles, and their partial weight gradients."""
     _skip_unavailable(backend)
