@@ -27,26 +27,20 @@ def _nvidia_bin(tool):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
 
 
-def _ptxas(cap: int) -> str:
-    """The ptxas Triton itself uses for `cap` (Triton 3.9 uses ptxas-blackwell from sm_90 on, and
-    emits a PTX version the older bundled ptxas rejects)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        return get_ptxas(cap).path
-    except Exception:  # noqa: BLE001 - older Triton: one ptxas for every arch
-        return _nvidia_bin("ptxas")
-
-
 def _ptxas_report(ptx: str):
     """(registers, spill bytes) as Triton's ptxas reports them for the PTX."""
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    try:  # the ptxas Triton itself uses for this arch (Triton >= 3.5 uses a newer one for sm_90+)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(int(re.search(r"\d+", arch).group())).path
+    except (ImportError, AttributeError, TypeError):  # Triton versions without get_ptxas(arch)
+        ptxas = _nvidia_bin("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        cap = int(re.search(r"\d+", arch).group(0))
-        result = subprocess.run([_ptxas(cap), f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.o")],
+        result = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.o")],
                                 capture_output=True, text=True, check=True)
     text = result.stderr + result.stdout
     registers = max((int(n) for n in re.findall(r"Used (\d+) registers", text)), default=0)
