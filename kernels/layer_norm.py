@@ -1,5 +1,371 @@
-"""PLACEHOLDER: the Triton layer_norm kernels land with their issue."""
+"""LayerNorm / RMSNorm with the residual add fused in: Triton forward and backward kernels.
+
+Kernel-level contract: transformer_fast/layer_norm.py. Rows up to MAX_TILE wide are one tile
+(several rows per program when narrow) kept in registers; wider rows loop over tiles of
+LOOP_TILE columns, gathering the statistics with Chan's merge of per-tile (mean, M2) so a large
+common offset costs no precision. The backward gives each program a contiguous range of rows,
+accumulates its weight/bias gradient partial sums in float32 and writes one row of a (programs, N)
+buffer; a single sum over that buffer finishes dweight/dbias. Only mean and rstd are saved.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import interpreting, new_output, next_power_of_2
+
+MAX_TILE = 8192   # widest row kept whole in registers
+LOOP_TILE = 4096  # columns per step for wider rows
+MIN_TILE = 16     # narrower rows are padded to this many columns
+ROW_TILE = 4096   # elements per program for narrow rows (BLOCK_M * BLOCK_N)
+
+
+@triton.jit
+def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
+                          stride_x, stride_r, stride_y, stride_h, M, N, eps,
+                          HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SINGLE_TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_TILE:
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & (cols[None, :] < N)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(H.dtype.element_ty)  # rounded as torch's x + r
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            tl.store(Mean + rows, mean, mask=row_mask)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        tl.store(Rstd + rows, rstd, mask=row_mask)
+        y = xc * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=cols < N, other=0.0)
+            y = y * w[None, :]
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=cols < N, other=0.0)
+            y = y + b[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # One row, in tiles: pass 1 writes h and merges per-tile moments of h - shift (shift =
+        # the row's first element, so a large common offset costs no precision), pass 2 writes y.
+        row = pid.to(tl.int64)
+        shift = 0.0
+        if not IS_RMS:
+            shift = tl.load(X + row * stride_x).to(tl.float32)
+            if HAS_RESIDUAL:
+                shift = (shift + tl.load(R + row * stride_r).to(tl.float32)).to(H.dtype.element_ty).to(tl.float32)
+        count = 0.0
+        mean = 0.0  # of h - shift
+        m2 = 0.0
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            cmask = c < N
+            x = tl.load(X + row * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(R + row * stride_r + c, mask=cmask, other=0.0).to(tl.float32)
+                h = (x + r).to(H.dtype.element_ty)
+                tl.store(H + row * stride_h + c, h, mask=cmask)
+                x = h.to(tl.float32)
+            if IS_RMS:
+                m2 += tl.sum(x * x, axis=0)
+            else:
+                x = tl.where(cmask, x - shift, 0.0)
+                n_tile = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                tile_mean = tl.sum(x, axis=0) / n_tile
+                d = tl.where(cmask, x - tile_mean, 0.0)
+                tile_m2 = tl.sum(d * d, axis=0)
+                total = count + n_tile
+                delta = tile_mean - mean
+                mean += delta * (n_tile / total)
+                m2 += tile_m2 + delta * delta * (count * n_tile / total)
+                count = total
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        if not IS_RMS:
+            tl.store(Mean + row, shift + mean)
+        tl.store(Rstd + row, rstd)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # pass 2 re-reads h, written by other threads of this program
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            cmask = c < N
+            if HAS_RESIDUAL:
+                x = tl.load(H + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + row * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
+            y = ((x - shift) - mean) * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(W + c, mask=cmask, other=0.0)
+            if HAS_BIAS:
+                y = y + tl.load(B + c, mask=cmask, other=0.0)
+            tl.store(Y + row * stride_y + c, y.to(Y.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
+                          stride_dy, stride_dh, stride_h, stride_dx, M, N, rows_per_program,
+                          HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          IS_RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SINGLE_TILE: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) (+ dh), g = dy * weight; the mean(g)
+    term is absent for RMSNorm. Program `pid` owns rows [pid * rows_per_program, ...) and row
+    `pid` of the partial-sum buffers (zero-initialised, N wide)."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    cols = tl.arange(0, BLOCK_N)
+    partial_row = pid.to(tl.int64) * N
+    if SINGLE_TILE:
+        col_mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0)
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(row_start, row_end, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(Hin + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+            if IS_RMS:
+                xhat = h * rstd[:, None]
+            else:
+                mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+                xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+            g = dy * w[None, :] if HAS_WEIGHT else dy
+            dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+            if not IS_RMS:
+                dx -= (tl.sum(g, axis=1) / N)[:, None]
+            dx *= rstd[:, None]
+            if HAS_DH:
+                dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_WEIGHT:
+                dw += tl.sum(dy * xhat, axis=0)
+            if HAS_BIAS:
+                db += tl.sum(dy, axis=0)
+        if HAS_WEIGHT:
+            tl.store(DWPartial + partial_row + cols, dw, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DBPartial + partial_row + cols, db, mask=col_mask)
+    else:
+        # One row at a time, in tiles: pass 1 gathers the row sums and adds this row's
+        # weight/bias gradient into the program's partial row; pass 2 writes dx.
+        for row_i in range(row_start, row_end):
+            row = tl.cast(row_i, tl.int64)
+            rstd = tl.load(Rstd + row)
+            if IS_RMS:
+                mean = 0.0
+            else:
+                mean = tl.load(Mean + row)
+            sum_g = 0.0
+            sum_gx = 0.0
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                cmask = c < N
+                dy = tl.load(DY + row * stride_dy + c, mask=cmask, other=0.0).to(tl.float32)
+                h = tl.load(Hin + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
+                xhat = tl.where(cmask, (h - mean) * rstd, 0.0)
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + c, mask=cmask, other=0.0)
+                    dwp = DWPartial + partial_row + c
+                    tl.store(dwp, tl.load(dwp, mask=cmask, other=0.0) + dy * xhat, mask=cmask)
+                else:
+                    g = dy
+                if HAS_BIAS:
+                    dbp = DBPartial + partial_row + c
+                    tl.store(dbp, tl.load(dbp, mask=cmask, other=0.0) + dy, mask=cmask)
+                sum_g += tl.sum(g, axis=0)
+                sum_gx += tl.sum(g * xhat, axis=0)
+            c_gx = sum_gx / N
+            c_g = sum_g / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                cmask = c < N
+                dy = tl.load(DY + row * stride_dy + c, mask=cmask, other=0.0).to(tl.float32)
+                h = tl.load(Hin + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
+                xhat = (h - mean) * rstd
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + c, mask=cmask, other=0.0)
+                else:
+                    g = dy
+                dx = g - xhat * c_gx
+                if not IS_RMS:
+                    dx -= c_g
+                dx *= rstd
+                if HAS_DH:
+                    dx += tl.load(DH + row * stride_dh + c, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(DX + row * stride_dx + c, dx.to(DX.dtype.element_ty), mask=cmask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+def _tiles(N, backward=False):
+    """(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps) for rows of width N: a pure function of N, so
+    compile_cases() can list every config. The backward holds more live tensors per element, so
+    it takes half the rows per step and up to 16 warps (at most 16 elements a thread)."""
+    if N <= MAX_TILE:
+        block_n = max(MIN_TILE, next_power_of_2(N))
+        rows_tile = ROW_TILE // 2 if backward else ROW_TILE
+        block_m = max(1, rows_tile // block_n)
+        warps = max(1, min(16 if backward else 8, block_m * block_n // (256 if backward else 512)))
+        return block_m, block_n, True, warps
+    return 1, LOOP_TILE, False, 8
+
+
+def _all_tiles(backward):
+    widths = [MIN_TILE << i for i in range((MAX_TILE // MIN_TILE).bit_length())] + [MAX_TILE + 1]
+    return [_tiles(n, backward) for n in widths]
+
+
+def _check_rows(name, t, M, N, dtype, device):
+    if t.dim() != 2 or tuple(t.shape) != (M, N):
+        raise ValueError(f"layer_norm: {name} must have shape {(M, N)}, got {tuple(t.shape)}")
+    if t.dtype != dtype or t.device != device:
+        raise TypeError(f"layer_norm: {name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+    if N > 1 and t.stride(1) != 1:
+        raise ValueError(f"layer_norm: {name} must have unit stride along the row, got strides {t.stride()}")
+
+
+def _as_float_vector(name, t, N):
+    if t is None:
+        return None
+    if tuple(t.shape) != (N,):
+        raise ValueError(f"layer_norm: {name} must have shape {(N,)}, got {tuple(t.shape)}")
+    return t.to(torch.float32).contiguous()
+
+
+def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
+    if x.dim() != 2:
+        raise ValueError(f"layer_norm: x must be 2-D (rows, width), got shape {tuple(x.shape)}")
+    M, N = x.shape
+    _check_rows("x", x, M, N, x.dtype, x.device)
+    if residual is not None:
+        _check_rows("residual", residual, M, N, x.dtype, x.device)
+    if is_rms and bias is not None:
+        raise ValueError("layer_norm: RMSNorm takes no bias")
+    w, b = _as_float_vector("weight", weight, N), _as_float_vector("bias", bias, N)
+    y = new_output((M, N), x.dtype, x.device)
+    h = new_output((M, N), x.dtype, x.device) if residual is not None else None
+    mean = None if is_rms else new_output((M,), torch.float32, x.device)
+    rstd = new_output((M,), torch.float32, x.device)
+    if M == 0:
+        return y, h, mean, rstd
+    block_m, block_n, single, warps = _tiles(N)
+    dummy = x  # stands in for absent pointers; never read (the matching constexpr flag is off)
+    r, hh = (residual, h) if residual is not None else (dummy, dummy)
+    grid = (triton.cdiv(M, block_m),)
+    layer_norm_fwd_kernel[grid](
+        x, r, dummy if w is None else w, dummy if b is None else b, y, hh, dummy if mean is None else mean, rstd,
+        x.stride(0), r.stride(0), y.stride(0), hh.stride(0), M, N, float(eps),
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, IS_RMS=bool(is_rms),
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps)
+    return y, h, mean, rstd
+
+
+def _num_programs(device):
+    if interpreting() or device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+    if h.dim() != 2:
+        raise ValueError(f"layer_norm: h must be 2-D (rows, width), got shape {tuple(h.shape)}")
+    M, N = h.shape
+    _check_rows("h", h, M, N, h.dtype, h.device)
+    _check_rows("dy", dy, M, N, h.dtype, h.device)
+    if dh is not None:
+        _check_rows("dh", dh, M, N, h.dtype, h.device)
+    if not is_rms and mean is None:
+        raise ValueError("layer_norm: the LayerNorm backward needs mean")
+    w = _as_float_vector("weight", weight, N)
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"layer_norm: bias must have shape {(N,)}, got {tuple(bias.shape)}")
+    rstd = rstd.contiguous()
+    mean = rstd if is_rms else mean.contiguous()
+    dx = new_output((M, N), h.dtype, h.device)
+    block_m, block_n, single, warps = _tiles(N, backward=True)
+    rows_per_program = triton.cdiv(M, _num_programs(h.device))
+    if single:
+        rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
+    programs = max(1, triton.cdiv(M, rows_per_program))
+    # Partial sums: the single-tile kernel writes its whole row; the looped one accumulates into it.
+    alloc = torch.empty if single else torch.zeros
+    dw_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if w is not None else None
+    db_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if bias is not None else None
+    dummy = h
+    dhh = dh if dh is not None else dummy
+    layer_norm_bwd_kernel[(programs,)](
+        dy, dhh, h, dummy if w is None else w, mean, rstd, dx,
+        dummy if dw_partial is None else dw_partial, dummy if db_partial is None else db_partial,
+        dy.stride(0), dhh.stride(0), h.stride(0), dx.stride(0), M, N, rows_per_program,
+        HAS_DH=dh is not None, HAS_WEIGHT=w is not None, HAS_BIAS=bias is not None, IS_RMS=bool(is_rms),
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps)
+    dweight = None if weight is None else dw_partial.sum(0).to(weight.dtype)
+    dbias = None if bias is None else db_partial.sum(0).to(bias.dtype)
+    return dx, dweight, dbias
+
+
+# ------------------------------------------------------------------------------------------------
+# Every config the launchers may launch, for kernels/compile_check.py
+# ------------------------------------------------------------------------------------------------
+_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_FLOAT_ARGS = ("W", "B", "Mean", "Rstd", "DWPartial", "DBPartial")
+
+
+def _case(kernel, name, dtype, tile, flags):
+    block_m, block_n, single, warps = tile
+    fn = kernel
+    constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single)
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in _FLOAT_ARGS:
+            signature[arg] = "*fp32"
+        elif arg not in ("M", "N") and arg[0].isupper():
+            signature[arg] = "*" + _TYPE[dtype]
+        elif arg == "eps":
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+    on = "".join(k[4] if k.startswith("HAS_") else "rms" for k, v in flags.items() if v) or "plain"
+    return dict(name=f"{name}[{_TYPE[dtype]},{on},m{block_m}n{block_n}{'' if single else 'loop'}w{warps}]",
+                fn=fn, signature=signature, constexprs=constexprs, num_warps=warps, num_stages=1)
 
 
 def compile_cases():
-    return []
+    """Every tile config (a function of the row width only) in fp16 with every feature on; fp32
+    and bf16 with a single-tile and the looped config; the other flag combinations (no residual/dh,
+    weight only, RMS with and without weight, none) with those two configs in fp16. Flags and
+    dtypes change loads and stores, not the tile's register shape."""
+    cases = []
+    kernels = ((layer_norm_fwd_kernel, "layer_norm_fwd", "HAS_RESIDUAL"),
+               (layer_norm_bwd_kernel, "layer_norm_bwd", "HAS_DH"))
+    for kernel, name, extra in kernels:
+        backward = kernel is layer_norm_bwd_kernel
+        two_tiles = (_tiles(1024, backward), _tiles(MAX_TILE + 1, backward))
+        every = {extra: True, "HAS_WEIGHT": True, "HAS_BIAS": True, "IS_RMS": False}
+        for tile in _all_tiles(backward):
+            cases.append(_case(kernel, name, torch.float16, tile, every))
+        for dtype in (torch.float32, torch.bfloat16):
+            for tile in two_tiles:
+                cases.append(_case(kernel, name, dtype, tile, every))
+        for tile in two_tiles:
+            for has_extra, rms, weight, bias in ((False, False, False, False), (True, False, True, False),
+                                                 (False, True, False, False), (True, True, True, False)):
+                flags = {extra: has_extra, "HAS_WEIGHT": weight, "HAS_BIAS": bias, "IS_RMS": rms}
+                cases.append(_case(kernel, name, torch.float16, tile, flags))
+    return cases

@@ -35,8 +35,8 @@ def _layer_norm_forward_op(x: torch.Tensor, residual: Optional[torch.Tensor], we
                            bias: Optional[torch.Tensor], eps: float, is_rms: bool,
                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
-        stats = x.new_empty(0, dtype=torch.float32)
-        return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
+        return (x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)),
+                x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32))
     y, h, mean, rstd = _dispatch.kernel("layer_norm_forward", backend)(x, residual, weight, bias, eps, is_rms)
     return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
 
@@ -79,9 +79,16 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(mean, rstd)
 
 
+def _unit_row_stride(t):
+    """Incoming gradients may have any strides (an expanded dy has stride 0); the kernels take
+    unit stride along the row."""
+    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
 def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, bias, mean, rstd = ctx.saved_tensors
-    dh = dh if ctx.has_residual else None
+    dy = _unit_row_stride(dy)
+    dh = _unit_row_stride(dh) if ctx.has_residual else None
     dx, dweight, dbias = _layer_norm_backward_op(dy, dh, h, weight, bias, mean, rstd, *ctx.args)
     return (dx, dx if ctx.has_residual else None, dweight if weight is not None else None,
             dbias if bias is not None else None, None, None, None)

@@ -1,0 +1,384 @@
+"""LayerNorm / RMSNorm with the fused residual add: every backend against the float64 reference
+(tests/helpers.py policy) and against torch.nn.LayerNorm / nn.RMSNorm, forward and every gradient."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import transformer_fast as tf
+from transformer_fast import reference
+from helpers import assert_close_to_reference, compare_with_reference
+
+WIDTHS = (1, 7, 64, 768, 1000, 4096, 65536)
+LEADING = ((5,), (2, 3), (3, 1, 2))          # 1 to 3 leading dims
+WIDE_LEADING = ((2,), (1, 2), (2, 1, 1))     # few rows of 65536
+# (is_rms, has_weight, has_bias)
+AFFINE = ((False, True, True), (False, True, False), (False, False, True), (False, False, False),
+          (True, True, False), (True, False, False))
+
+
+def _skip_unavailable(backend):
+    reason = tf.available_backends()[backend]
+    if reason is not None:
+        pytest.skip(f"{backend} backend unavailable: {reason}")
+
+
+def _leading(width, i):
+    return (WIDE_LEADING if width > 4096 else LEADING)[i % 3]
+
+
+def _inputs(lead, width, dtype, device="cpu", *, has_weight=True, has_bias=True, residual=True, offset=0.0,
+            scale=1.0):
+    shape = (*lead, width)
+    x = (torch.randn(shape, device=device) * scale + offset).to(dtype)
+    r = torch.randn(shape, device=device).to(dtype) if residual else None
+    w = (torch.rand(width, device=device) + 0.5).to(dtype) if has_weight else None
+    b = torch.randn(width, device=device).to(dtype) if has_bias else None
+    return x, r, w, b
+
+
+def _fused(is_rms, width, eps, backend):
+    """kernel(x, r, w, b) -> y (or y and h flattened into one tensor, so one random upstream
+    gradient reaches both outputs)."""
+    def run(x, r, w, b):
+        if is_rms:
+            out = tf.rms_norm(x, (width,), w, eps, residual=r, backend=backend)
+        else:
+            out = tf.layer_norm(x, (width,), w, b, eps, residual=r, backend=backend)
+        return torch.cat([out[0].flatten(), out[1].flatten()]) if r is not None else out
+    return run
+
+
+def _check(backend, lead, width, dtype, is_rms, has_weight, has_bias, residual, device="cpu", offset=0.0,
+           scale=1.0, what=""):
+    x, r, w, b = _inputs(lead, width, dtype, device, has_weight=has_weight, has_bias=has_bias and not is_rms,
+                         residual=residual, offset=offset, scale=scale)
+    eps = 1e-5 if not is_rms else 1e-6
+    inputs = [x, r, w, b]
+    grads = tuple(i for i, t in enumerate(inputs) if t is not None)
+    compare_with_reference(_fused(is_rms, width, eps, backend),
+                           _fused(is_rms, width, eps, "reference"),
+                           inputs, grads, what=what or f"{backend} {dtype} {lead}x{width} rms={is_rms}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The full grid on the C++ backend; the reference backend on a part of it.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_cpp_against_reference(width, dtype):
+    _skip_unavailable("cpp")
+    for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE, (False, True))):
+        _check("cpp", _leading(width, i), width, dtype, is_rms, has_w, has_b, residual)
+
+
+@pytest.mark.parametrize("width", (1, 7, 1000, 65536))
+def test_reference_backend_against_reference(width):
+    for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE[::2], (False, True))):
+        _check("reference", _leading(width, i), width, torch.float32, is_rms, has_w, has_b, residual)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", (1, 7, 64, 768, 1000, 9000))
+def test_triton_against_reference(width, dtype):
+    """Under the interpreter: small widths; 9000 takes the looped path (two tiles, a ragged one)."""
+    _skip_unavailable("triton")
+    for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE, (False, True))):
+        if width > 1000 and i % 3:
+            continue
+        lead = (2,) if width > 1000 else _leading(width, i)
+        _check("triton", lead, width, dtype, is_rms, has_w, has_b, residual)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "cpp"])
+def test_many_narrow_rows(backend):
+    """Several programs/threads, each with several row tiles, and their partial weight gradients."""
+    _skip_unavailable(backend)
+    _check(backend, (300,), 7, torch.float32, False, True, True, True)
+    _check(backend, (3, 70), 33, torch.float16, True, True, False, False)
+
+
+@pytest.mark.triton
+def test_triton_widest_rows():
+    _skip_unavailable("triton")
+    _check("triton", (2,), 65536, torch.float32, False, True, True, True)
+    _check("triton", (1,), 65536, torch.float16, True, True, False, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", WIDTHS + (8192, 8193, 20000))
+def test_triton_gpu_full_grid(width, dtype):
+    for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE, (False, True))):
+        lead = _leading(width, i) if width <= 4096 else ((64,), (4, 16), (2, 3, 5))[i % 3]
+        _check("triton", lead, width, dtype, is_rms, has_w, has_b, residual, device="cuda")
+    _check("triton", (3, 7), width, dtype, False, True, True, True, device="cuda", offset=1e4 if dtype ==
+           torch.float32 else 100.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics: a large common offset with a small variance
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
+@pytest.mark.parametrize("width", (7, 1000, 65536))
+def test_large_offset(backend, width):
+    _skip_unavailable(backend)
+    if backend == "triton" and width > 1000:
+        width = 9000
+    lead = (2,) if width > 1000 else (3, 5)
+    for residual in (False, True):
+        _check(backend, lead, width, torch.float32, False, True, True, residual, offset=1e4, scale=1.0,
+               what=f"{backend} offset 1e4 width {width} residual={residual}")
+        _check(backend, lead, width, torch.float32, False, False, False, residual, offset=1e4, scale=0.01,
+               what=f"{backend} offset 1e4 std 0.01 width {width} residual={residual}")
+    if backend == "cpp":
+        _check(backend, lead, width, torch.bfloat16, False, True, True, True, offset=100.0)
+        _check(backend, lead, width, torch.float16, False, True, True, True, offset=1e3)
+
+
+def test_cpp_statistics_of_large_offset():
+    """mean and rstd themselves, against float64 (the first element an outlier, too)."""
+    _skip_unavailable("cpp")
+    from transformer_fast import _dispatch
+
+    C = _dispatch.cpp_extension()
+    for width in (1, 15, 16, 17, 1000, 65536):
+        x = torch.randn(3, width) * 0.5 + 1e4
+        x[1, 0] = 2e4  # an outlier where the kernel takes its shift
+        _, _, mean, rstd = C.layer_norm_forward(x, None, None, None, 1e-5, False)
+        x64 = x.double()
+        var = x64.var(dim=1, unbiased=False)
+        torch.testing.assert_close(mean.double(), x64.mean(1), rtol=2e-7, atol=0)
+        torch.testing.assert_close(rstd.double(), torch.rsqrt(var + 1e-5), rtol=2e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts: row-strided slices, transposed leading dims, 2-D normalized_shape, mixed weight dtype
+# ------------------------------------------------------------------------------------------------
+def _strided_cases(device="cpu", dtype=torch.float32):
+    """(3, 4, 64) tensors with unusual strides."""
+    t = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+    yield "row-strided slice", t(3, 4, 80)[:, :, 3:67]                # a view, row stride 80
+    yield "every other row", t(3, 8, 64)[:, ::2]                        # a view, row stride 128
+    yield "transposed leading dims", t(4, 3, 64).transpose(0, 1)        # needs a copy
+    yield "expanded", t(1, 4, 64).expand(3, 4, 64)                      # stride 0
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
+def test_non_contiguous_inputs(backend):
+    _skip_unavailable(backend)
+    for name, x in _strided_cases():
+        for (r_name, r), is_rms in itertools.product(_strided_cases(), (False, True)):
+            w = torch.rand(64) + 0.5
+            b = None if is_rms else torch.randn(64)
+            inputs = [x, r, w, b]
+            grads = tuple(i for i, t in enumerate(inputs) if t is not None)
+            compare_with_reference(_fused(is_rms, 64, 1e-5, backend), _fused(is_rms, 64, 1e-5, "reference"),
+                                   inputs, grads, what=f"{backend} x {name}, residual {r_name}, rms={is_rms}")
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
+def test_non_contiguous_upstream_gradient(backend):
+    """dy of stride 0 (from .sum()) and a transposed dh."""
+    _skip_unavailable(backend)
+    x, r = torch.randn(4, 33, requires_grad=True), torch.randn(4, 33, requires_grad=True)
+    w = torch.randn(33, requires_grad=True)
+    dh = torch.randn(33, 4).t()
+    y, h = tf.layer_norm(x, 33, w, None, residual=r, backend=backend)
+    (y.sum() + (h * dh).sum()).backward()
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
+    y64, h64 = reference.layer_norm(x64, (33,), w64, None, residual=r64)
+    (y64.sum() + (h64 * dh.double()).sum()).backward()
+    for got, exp in ((x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
+def test_two_dim_normalized_shape(backend):
+    _skip_unavailable(backend)
+    x, r = torch.randn(3, 5, 12), torch.randn(3, 5, 12)
+    w, b = torch.randn(5, 12), torch.randn(5, 12)
+
+    def run(be):
+        return lambda x, r, w, b: torch.cat([t.flatten() for t in tf.layer_norm(x, (5, 12), w, b, residual=r,
+                                                                                   backend=be)])
+    compare_with_reference(run(backend), run("reference"), [x, r, w, b], (0, 1, 2, 3), what="normalized (5, 12)")
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_weight_with_low_precision_input(backend, dtype):
+    """weight/bias may be float32 for a bf16/fp16 input (mixed precision): y has the input's dtype,
+    dweight/dbias the parameters'."""
+    _skip_unavailable(backend)
+    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        dtype = torch.float16
+    x = torch.randn(6, 100).to(dtype).requires_grad_()
+    w, b = (torch.rand(100) + 0.5).requires_grad_(), torch.randn(100, requires_grad=True)
+    y = tf.layer_norm(x, (100,), w, b, backend=backend)
+    assert y.dtype == dtype
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = reference.layer_norm(x64, (100,), w64, b64)
+    y64.backward(dy.double())
+    xl, wl, bl = (t.detach().requires_grad_() for t in (x, w.to(dtype), b.to(dtype)))
+    yl = reference.layer_norm(xl, (100,), wl, bl)
+    yl.backward(dy)
+    assert_close_to_reference(y, y64, yl, what="y")
+    assert_close_to_reference(x.grad, x64.grad, xl.grad, what="dx")
+    # float32 parameter gradients summed in float32: at least as close as the low-precision reference
+    assert_close_to_reference(w.grad, w64.grad, wl.grad.float(), what="dweight")
+    assert_close_to_reference(b.grad, b64.grad, bl.grad.float(), what="dbias")
+
+
+def test_cpp_weight_gradient_is_deterministic():
+    _skip_unavailable("cpp")
+    x, dy = torch.randn(257, 300), torch.randn(257, 300)
+    w, b = torch.randn(300, requires_grad=True), torch.randn(300, requires_grad=True)
+    grads = []
+    for _ in range(3):
+        y = tf.layer_norm(x, 300, w, b, backend="cpp")
+        grads.append(torch.autograd.grad(y, (w, b), dy))
+    for g in grads[1:]:
+        assert torch.equal(g[0], grads[0][0]) and torch.equal(g[1], grads[0][1])
+
+
+def test_zero_rows():
+    for backend in ("cpp", "reference"):
+        if tf.available_backends()[backend] is not None:
+            continue
+        x = torch.randn(0, 3, 16, requires_grad=True)
+        y, h = tf.layer_norm(x, 16, residual=torch.randn(0, 3, 16), backend=backend)
+        assert y.shape == h.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules: drop-in for torch.nn, state dicts both ways, torch.compile
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_modules_match_torch(kind, affine):
+    torch.manual_seed(1)
+    shape = (7, 48)
+    if kind == "layer_norm":
+        ours, theirs = tf.LayerNorm(48, elementwise_affine=affine), nn.LayerNorm(48, elementwise_affine=affine)
+    else:
+        ours, theirs = tf.RMSNorm(48, eps=1e-6, elementwise_affine=affine), nn.RMSNorm(48, eps=1e-6,
+                                                                                     elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.copy_(torch.randn_like(p))
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    back = type(theirs)(48, **({"eps": 1e-6} if kind == "rms_norm" else {}), elementwise_affine=affine)
+    back.load_state_dict(ours.state_dict(), strict=True)
+    for p, q in zip(back.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+
+    x = torch.randn(*shape) * 3 + 2
+    theirs64 = type(theirs)(48, **({"eps": 1e-6} if kind == "rms_norm" else {}), elementwise_affine=affine).double()
+    theirs64.load_state_dict(theirs.state_dict())
+    xs = [x.clone().requires_grad_() for _ in range(3)]
+    outs = [ours(xs[0]), theirs64(xs[1].double()), theirs(xs[2])]
+    dy = torch.randn(*shape)
+    for o in outs:
+        o.backward(dy.to(o.dtype))
+    assert_close_to_reference(outs[0], outs[1], outs[2], what=f"{kind} module output")
+    assert_close_to_reference(xs[0].grad, xs[1].grad, xs[2].grad, what=f"{kind} module input grad")
+    if affine:
+        for p, p64, p32 in zip(ours.parameters(), theirs64.parameters(), theirs.parameters()):
+            assert_close_to_reference(p.grad, p64.grad, p32.grad, what=f"{kind} module parameter grad")
+
+
+def test_module_residual_forward():
+    m = tf.LayerNorm(32)
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    y, h = m(x, r)
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, F.layer_norm(x + r, (32,), m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_fullgraph_modules():
+    torch._dynamo.reset()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = tf.LayerNorm(32), tf.RMSNorm(32)
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x, r):
+            y, h = self.norm1(x, r)
+            return self.norm2(self.proj(y)) + h
+
+    model = Block()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x, r = torch.randn(3, 5, 32, requires_grad=True), torch.randn(3, 5, 32)
+    out_c = compiled(x, r)
+    out_c.sum().backward()
+    grad_c = x.grad.clone()
+    x.grad = None
+    out_e = model(x, r)
+    out_e.sum().backward()
+    torch.testing.assert_close(out_c, out_e)
+    torch.testing.assert_close(grad_c, x.grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad inputs and op registration
+# ------------------------------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"does not end with normalized_shape \(5,\)"):
+        tf.layer_norm(x, (5,))
+    with pytest.raises(ValueError, match=r"does not end with normalized_shape"):
+        tf.rms_norm(x, (4, 6, 1))
+    with pytest.raises(ValueError, match=r"weight must have shape normalized_shape = \(6,\), got \(5,\)"):
+        tf.layer_norm(x, (6,), weight=torch.ones(5))
+    with pytest.raises(ValueError, match=r"bias must have shape"):
+        tf.layer_norm(x, (6,), weight=torch.ones(6), bias=torch.ones(2, 3))
+    with pytest.raises(TypeError, match="weight must have the input's dtype"):
+        tf.layer_norm(x, (6,), weight=torch.ones(6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="residual has dtype torch.float64 but input has torch.float32"):
+        tf.layer_norm(x, (6,), residual=x.double())
+    with pytest.raises(ValueError, match="residual is on meta but input is on cpu"):
+        tf.rms_norm(x, (6,), residual=torch.empty(4, 6, device="meta"))
+    with pytest.raises(ValueError, match=r"residual must have the input's shape \(4, 6\), got \(6,\)"):
+        tf.layer_norm(x, (6,), residual=x[0])
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        tf.layer_norm(x, (6,), eps=-1.0)
+    with pytest.raises(TypeError, match="floating-point"):
+        tf.layer_norm(x.long(), (6,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        tf.LayerNorm(5)(x)
+
+
+def _op_cases(backend, dtype=torch.float32):
+    x, r = torch.randn(6, 40, dtype=dtype, requires_grad=True), torch.randn(6, 40, dtype=dtype, requires_grad=True)
+    w = torch.randn(40, dtype=dtype, requires_grad=True)
+    b = torch.randn(40, dtype=dtype, requires_grad=True)
+    xs = torch.randn(6, 50, dtype=dtype)[:, 5:45].requires_grad_()  # row stride 50
+    ops = torch.ops.transformer_fast
+    return [
+        (ops.layer_norm_forward, (x, r, w, b, 1e-5, False, backend)),
+        (ops.layer_norm_forward, (x, None, w, None, 1e-5, False, backend)),
+        (ops.layer_norm_forward, (x, None, None, b, 1e-5, False, backend)),
+        (ops.layer_norm_forward, (xs, r, None, None, 1e-5, True, backend)),
+        (ops.layer_norm_forward, (x, r, w, None, 1e-6, True, backend)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
+def test_opcheck(backend):
+    _skip_unavailable(backend)
+    dtypes = (torch.float32, torch.bfloat16) if backend == "cpp" else (torch.float32,)
+    for dtype in dtypes:
+        for op, args in _op_cases(backend, dtype):
+            torch.library.opcheck(op, args)
