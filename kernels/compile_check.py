@@ -30,11 +30,17 @@ def _nvidia_bin(tool):
 def _ptxas_report(ptx: str):
     """(registers, spill bytes) as Triton's ptxas reports them for the PTX."""
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    try:  # the ptxas Triton itself uses for this arch (Triton >= 3.5 uses a newer one for sm_90+)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(int(re.search(r"\d+", arch).group())).path
+    except ImportError:
+        ptxas = _nvidia_bin("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        result = subprocess.run([_nvidia_bin("ptxas"), f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.o")],
+        result = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.o")],
                                 capture_output=True, text=True, check=True)
     text = result.stderr + result.stdout
     registers = max((int(n) for n in re.findall(r"Used (\d+) registers", text)), default=0)
