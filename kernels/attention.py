@@ -125,8 +125,8 @@ def _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stri
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    CHECK_KEYS: tl.constexpr = CHECK_BOUNDS or HAS_PAD
+              CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. CHECK_KEYS = CHECK_BOUNDS or HAS_PAD."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -238,13 +238,13 @@ def attention_fwd_kernel(
                                   mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
                                   Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
                                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, MASK_KIND, HAS_PAD,
-                                  HAS_DROPOUT, False, DOT_PRECISION)
+                                  HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION)
     for start_n in tl.range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
                                   mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
                                   Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
                                   HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_PAD,
-                                  HAS_DROPOUT, True, DOT_PRECISION)
+                                  HAS_DROPOUT, True, True, DOT_PRECISION)
 
     # Rows with no allowed key: l = 0, acc = 0 -> output 0, lse = +inf.
     empty = l_i == 0.0
@@ -410,8 +410,8 @@ def _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn,
              dropout_p, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
              HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
-    CHECK_KEYS: tl.constexpr = CHECK_BOUNDS or HAS_PAD
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of dQ. CHECK_KEYS = CHECK_BOUNDS or HAS_PAD."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -479,12 +479,12 @@ def attention_bwd_dq_kernel(
         dq = _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
                       bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, MASK_KIND,
-                      HAS_PAD, HAS_DROPOUT, False, DOT_PRECISION)
+                      HAS_PAD, HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION)
     for start_n in tl.range(mid, hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
                       bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, IS_CAUSAL, MASK_KIND,
-                      HAS_PAD, HAS_DROPOUT, True, DOT_PRECISION)
+                      HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION)
     _store_rows(DQ + bh * Nq * HEAD_D, offs_m, HEAD_D, row_ok, offs_d, (dq * scale).to(DQ.dtype.element_ty),
                 HEAD_D, BLOCK_D)
 
@@ -636,28 +636,20 @@ def compile_cases():
             num_warps=warps, num_stages=stages, expect_wgmma=expect_wgmma))
 
     heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
-    for cls, (d, dv) in heads.items():
-        for tile in _FWD_TILES_LOWP[cls]:
-            add(attention_fwd_kernel, "attention_fwd", torch.float16, d, dv, tile, causal=True, mask_kind=1,
-                pad=True, dropout=True, expect_wgmma=True)
-        for tile in _FWD_TILES_FP32[cls]:
-            add(attention_fwd_kernel, "attention_fwd", torch.float32, d, dv, tile, causal=True, mask_kind=1,
-                pad=True, dropout=True)
-        for kernel, name in ((attention_bwd_dkdv_kernel, "attention_bwd_dkdv"),
-                             (attention_bwd_dq_kernel, "attention_bwd_dq")):
-            for tile in _BWD_TILES_LOWP[cls]:
-                add(kernel, name, torch.float16, d, dv, tile, causal=True, mask_kind=1, pad=True, dropout=True)
-            for tile in _BWD_TILES_FP32[cls]:
-                add(kernel, name, torch.float32, d, dv, tile, causal=True, mask_kind=1, pad=True, dropout=True)
-    # The plain fast path, a float mask, odd head dims (padded to a power of two inside the kernel).
-    add(attention_fwd_kernel, "attention_fwd", torch.bfloat16, 128, 128, _FWD_TILES_LOWP[128][0],
-        expect_wgmma=True)
-    add(attention_fwd_kernel, "attention_fwd", torch.bfloat16, 80, 40, _FWD_TILES_LOWP[128][0], causal=True,
-        mask_kind=2, expect_wgmma=True)
-    add(attention_bwd_dkdv_kernel, "attention_bwd_dkdv", torch.bfloat16, 80, 40, _BWD_TILES_LOWP[128][0],
-        causal=True, mask_kind=2)
-    add(attention_bwd_dq_kernel, "attention_bwd_dq", torch.bfloat16, 80, 40, _BWD_TILES_LOWP[128][0],
-        causal=True, mask_kind=2)
+    kernels = ((attention_fwd_kernel, "attention_fwd", _FWD_TILES_LOWP, _FWD_TILES_FP32),
+               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _BWD_TILES_LOWP, _BWD_TILES_FP32),
+               (attention_bwd_dq_kernel, "attention_bwd_dq", _BWD_TILES_LOWP, _BWD_TILES_FP32))
+    for kernel, name, lowp, fp32 in kernels:
+        forward = kernel is attention_fwd_kernel
+        for cls, (d, dv) in heads.items():
+            for tile in lowp[cls]:  # causal + padding + bool mask: the most work per tile but dropout
+                add(kernel, name, torch.float16, d, dv, tile, causal=True, mask_kind=1, pad=True,
+                    expect_wgmma=forward)
+            for tile in fp32[cls]:
+                add(kernel, name, torch.float32, d, dv, tile, causal=True, mask_kind=1, pad=True)
+        # dropout; the plain fast path with a float mask and odd head dims (padded inside the kernel)
+        add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
+        add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
     for dtype in (torch.float16, torch.float32):
         for dv, block in ((64, 64), (256, 32)):
             fn = _jit_function(attention_bwd_preprocess_kernel)
