@@ -33,9 +33,10 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _load_rows(base, rows, row_stride, row_ok, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr,
                CHECK_ROWS: tl.constexpr):
-    """A (len(rows), BLOCK_COLS) tile of a row-major (unit column stride) matrix; rows that are
-    not `row_ok` and columns >= N_COLS read as 0."""
-    ptrs = base + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
+    """A (len(rows), BLOCK_COLS) tile of a row-major (unit column stride) matrix starting at the
+    pointer `base`; rows that are not `row_ok` and columns >= N_COLS read as 0. `rows` are
+    tile-local (int32 offsets: the tile's start is in `base`, in int64)."""
+    ptrs = base + (rows[:, None] * row_stride + cols[None, :])
     if CHECK_ROWS:
         if N_COLS == BLOCK_COLS:
             tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
@@ -51,7 +52,7 @@ def _load_rows(base, rows, row_stride, row_ok, cols, N_COLS: tl.constexpr, BLOCK
 
 @triton.jit
 def _store_rows(base, rows, row_stride, row_ok, cols, value, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    ptrs = base + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
+    ptrs = base + (rows[:, None] * row_stride + cols[None, :])
     if N_COLS == BLOCK_COLS:
         tl.store(ptrs, value, mask=row_ok[:, None])
     else:
@@ -71,17 +72,16 @@ def _key_ok(offs_n, Nk, pad_base, stride_padn, CHECK_BOUNDS: tl.constexpr, HAS_P
 
 
 @triton.jit
-def _mask_scores(s, qi, kj, key_ok, Nq, Nk, mask_base, stride_maskm, stride_maskn,
+def _mask_scores(s, qi, kj, mi, nj, key_ok, Nq, Nk, mask_tile, stride_maskm, stride_maskn,
                  IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CHECK_KEYS: tl.constexpr):
-    """Scores s (base-2 units) with -inf where query qi may not see key kj. qi, kj and key_ok are
-    broadcastable to s: (M, 1), (1, N), (1, N) in the forward/dQ layout, transposed in dK/dV."""
+    """Scores s (base-2 units) with -inf where query qi may not see key kj. qi, kj (global), mi,
+    nj (tile-local: the mask tile starts at the pointer mask_tile) and key_ok broadcast to s:
+    (M, 1), (1, N), (1, N) in the forward/dQ layout, transposed in dK/dV."""
     if MASK_KIND == 2:  # float mask: added (in natural-log units, hence * log2(e))
-        bias = tl.load(mask_base + qi.to(tl.int64) * stride_maskm + kj.to(tl.int64) * stride_maskn,
-                       mask=(qi < Nq) & (kj < Nk), other=0.0)
+        bias = tl.load(mask_tile + (mi * stride_maskm + nj * stride_maskn), mask=(qi < Nq) & (kj < Nk), other=0.0)
         s = s + bias.to(tl.float32) * 1.4426950408889634
     if MASK_KIND == 1:  # bool mask, True = allowed
-        allowed = tl.load(mask_base + qi.to(tl.int64) * stride_maskm + kj.to(tl.int64) * stride_maskn,
-                          mask=(qi < Nq) & (kj < Nk), other=0)
+        allowed = tl.load(mask_tile + (mi * stride_maskm + nj * stride_maskn), mask=(qi < Nq) & (kj < Nk), other=0)
         s = tl.where(allowed != 0, s, float("-inf"))
     if IS_CAUSAL:
         s = tl.where(kj <= qi, s, float("-inf"))
@@ -91,13 +91,13 @@ def _mask_scores(s, qi, kj, key_ok, Nq, Nk, mask_base, stride_maskm, stride_mask
 
 
 @triton.jit
-def _dropout_keep(seed, bh_offset, qi, kj, Nk, dropout_p):
-    """True where dropout keeps P[qi, kj]: Philox at offset ((b*H + h)*Nq + qi)*Nk + kj (bh_offset
-    is the int64 (b*H + h)*Nq*Nk), its 64 bits split into two 32-bit counters (the same stream as
-    tl.rand(seed, offset) for offsets below 2**32)."""
-    offset = bh_offset + qi.to(tl.int64) * Nk + kj
-    lo = offset.to(tl.uint32)
-    hi = (offset >> 32).to(tl.uint32)
+def _dropout_keep(seed, tile_offset, mi, nj, Nk, dropout_p):
+    """True where dropout keeps P[i, j]: Philox at offset ((b*H + h)*Nq + i)*Nk + j, its 64 bits
+    split into two 32-bit counters (the stream of tl.rand(seed, offset)). tile_offset is the
+    int64 offset of the tile's first element, mi, nj the tile-local row and column (32-bit math)."""
+    local = (mi * Nk + nj).to(tl.uint32)
+    lo = tile_offset.to(tl.uint32) + local  # wraps: carry into the high word
+    hi = (tile_offset >> 32).to(tl.uint32) + (lo < local).to(tl.uint32)
     zero = lo * 0
     r, _, _, _ = tl.philox(seed, lo, hi, zero, zero)
     return tl.uint_to_uniform_float(r) >= dropout_p
@@ -119,22 +119,26 @@ def _kv_range(KvRange, b, Nk, HAS_PAD: tl.constexpr):
 # Forward
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+def _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
               mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
               Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
               HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
               CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax. CHECK_KEYS = CHECK_BOUNDS or HAS_PAD."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    """One key tile [start_n, start_n + BLOCK_N) of the online softmax (CHECK_KEYS = CHECK_BOUNDS
+    or HAS_PAD)."""
+    mi = tl.arange(0, BLOCK_M)[:, None]
+    nj = tl.arange(0, BLOCK_N)
+    offs_n = start_n + nj
+    n64 = tl.cast(start_n, tl.int64)
     key_ok = _key_ok(offs_n, Nk, pad_base, stride_padn, CHECK_BOUNDS, HAS_PAD)
-    k = _load_rows(k_base, offs_n, stride_kn, key_ok, offs_d, HEAD_D, BLOCK_D, CHECK_KEYS)
+    k = _load_rows(k_base + n64 * stride_kn, nj, stride_kn, key_ok, tl.arange(0, BLOCK_D), HEAD_D, BLOCK_D,
+                   CHECK_KEYS)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = _mask_scores(s, offs_m[:, None], offs_n[None, :], key_ok[None, :], Nq, Nk, mask_base,
-                     stride_maskm, stride_maskn, IS_CAUSAL, MASK_KIND, CHECK_KEYS)
+    s = _mask_scores(s, start_m + mi, offs_n[None, :], mi, nj[None, :], key_ok[None, :], Nq, Nk,
+                     mask_base + tl.cast(start_m, tl.int64) * stride_maskm + n64 * stride_maskn, stride_maskm,
+                     stride_maskn, IS_CAUSAL, MASK_KIND, CHECK_KEYS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows with no allowed key so far keep m = -inf: subtract 0 instead, so P = exp2(-inf) = 0.
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -142,8 +146,10 @@ def _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stri
     p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        p = tl.where(_dropout_keep(seed, bh_offset, offs_m[:, None], offs_n[None, :], Nk, dropout_p), p, 0.0)
-    v = _load_rows(v_base, offs_n, stride_vn, key_ok, offs_dv, HEAD_DV, BLOCK_DV, CHECK_KEYS)
+        keep = _dropout_keep(seed, bh_offset + tl.cast(start_m, tl.int64) * Nk + n64, mi, nj[None, :], Nk, dropout_p)
+        p = tl.where(keep, p, 0.0)
+    v = _load_rows(v_base + n64 * stride_vn, nj, stride_vn, key_ok, tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV,
+                   CHECK_KEYS)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
@@ -205,7 +211,6 @@ def attention_fwd_kernel(
     b = tl.program_id(2)
     hk = h // GROUP
     bh = b.to(tl.int64) * H + h
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     mask_base = Mask + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
@@ -213,11 +218,12 @@ def attention_fwd_kernel(
     bh_offset = bh * Nq * Nk
 
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    m64 = tl.cast(start_m, tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = start_m + rows < Nq
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Nq
-    q = _load_rows(q_base, offs_m, stride_qm, row_ok, offs_d, HEAD_D, BLOCK_D, True)
+    q = _load_rows(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + m64 * stride_qm, rows, stride_qm,
+                   row_ok, tl.arange(0, BLOCK_D), HEAD_D, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -234,17 +240,17 @@ def attention_fwd_kernel(
         full = tl.minimum(full, start_m + 1)
     mid = tl.maximum((full // BLOCK_N) * BLOCK_N, lo)
     for start_n in tl.range(lo, mid, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                                   mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
                                   Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, MASK_KIND, HAS_PAD,
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_KIND, HAS_PAD,
                                   HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION)
     for start_n in tl.range(mid, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                                   mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
                                   Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
-                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_PAD,
-                                  HAS_DROPOUT, True, True, DOT_PRECISION)
+                                  HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
+                                  HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION)
 
     # Rows with no allowed key: l = 0, acc = 0 -> output 0, lse = +inf.
     empty = l_i == 0.0
@@ -252,10 +258,10 @@ def attention_fwd_kernel(
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
-    _store_rows(Out + bh * Nq * HEAD_DV, offs_m, HEAD_DV, row_ok, offs_dv, out.to(Out.dtype.element_ty),
+    _store_rows(Out + (bh * Nq + m64) * HEAD_DV, rows, HEAD_DV, row_ok, offs_dv, out.to(Out.dtype.element_ty),
                 HEAD_DV, BLOCK_DV)
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(Lse + bh * Nq + offs_m, lse, mask=row_ok)
+    tl.store(Lse + bh * Nq + m64 + rows, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,41 +275,45 @@ def attention_bwd_preprocess_kernel(Out, DOut, Delta, stride_dob, stride_doh, st
     h = tl.program_id(1)
     b = tl.program_id(2)
     bh = b.to(tl.int64) * H + h
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m64 = (pid_m * BLOCK_M).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Nq
-    o = _load_rows(Out + bh * Nq * HEAD_DV, offs_m, HEAD_DV, row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
-    do = _load_rows(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh, offs_m, stride_dom,
-                    row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
+    row_ok = pid_m * BLOCK_M + rows < Nq
+    o = _load_rows(Out + (bh * Nq + m64) * HEAD_DV, rows, HEAD_DV, row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
+    do = _load_rows(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + m64 * stride_dom, rows,
+                    stride_dom, row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh * Nq + offs_m, delta, mask=row_ok)
+    tl.store(Delta + bh * Nq + m64 + rows, delta, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, start_m, offs_n, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+def _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                mask_base, stride_maskm, stride_maskn, Nq, Nk, qk_scale, seed, bh_offset, dropout_p,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dK, dV of one key block += the contributions of query rows [start_m, start_m + BLOCK_M).
-    Works on transposed (key, query) tiles. Keys out of range or padded are not masked here:
+    """dK, dV of the key block at start_n += the contributions of query rows [start_m, start_m +
+    BLOCK_M), on transposed (key, query) tiles. Keys out of range or padded are not masked here:
     their rows of dK/dV are zeroed at the store, and key rows never mix in these products."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    mi = tl.arange(0, BLOCK_M)
+    nj = tl.arange(0, BLOCK_N)[:, None]
+    offs_m = start_m + mi
+    m64 = tl.cast(start_m, tl.int64)
     row_ok = offs_m < Nq
-    q = _load_rows(q_base, offs_m, stride_qm, row_ok, offs_d, HEAD_D, BLOCK_D, True)
-    do = _load_rows(do_base, offs_m, stride_dom, row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
+    q = _load_rows(q_base + m64 * stride_qm, mi, stride_qm, row_ok, tl.arange(0, BLOCK_D), HEAD_D, BLOCK_D, True)
+    do = _load_rows(do_base + m64 * stride_dom, mi, stride_dom, row_ok, tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV,
+                    True)
     # lse = +inf beyond Nq (and on rows with no allowed key) makes P = 0 there.
-    lse2 = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.load(lse_base + m64 + mi, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_base + m64 + mi, mask=row_ok, other=0.0)
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-    s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], row_ok[None, :], Nq, Nk, mask_base,
-                       stride_maskm, stride_maskn, IS_CAUSAL, MASK_KIND, False)
+    s_t = _mask_scores(s_t, offs_m[None, :], start_n + nj, mi[None, :], nj, row_ok[None, :], Nq, Nk,
+                       mask_base + m64 * stride_maskm + tl.cast(start_n, tl.int64) * stride_maskn, stride_maskm,
+                       stride_maskn, IS_CAUSAL, MASK_KIND, False)
     p_t = tl.exp2(s_t - lse2[None, :])
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep_t = _dropout_keep(seed, bh_offset, offs_m[None, :], offs_n[:, None], Nk, dropout_p)
+        keep_t = _dropout_keep(seed, bh_offset + m64 * Nk + start_n, mi[None, :], nj, Nk, dropout_p)
         inv_keep = 1.0 / (1.0 - dropout_p)
         dv = tl.dot(tl.where(keep_t, p_t * inv_keep, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
@@ -348,17 +358,17 @@ def attention_bwd_dkdv_kernel(
     b = tl.program_id(2)
     Hk = H // GROUP
     bhk = b.to(tl.int64) * Hk + hk
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    pad_base = Pad + b.to(tl.int64) * stride_padb
-
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = tl.cast(start_n, tl.int64)
+    rows = tl.arange(0, BLOCK_N)
+    offs_n = start_n + rows
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    key_ok = _key_ok(offs_n, Nk, pad_base, stride_padn, True, HAS_PAD)
-    k = _load_rows(k_base, offs_n, stride_kn, key_ok, offs_d, HEAD_D, BLOCK_D, True)
-    v = _load_rows(v_base, offs_n, stride_vn, key_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
+    key_ok = _key_ok(offs_n, Nk, Pad + b.to(tl.int64) * stride_padb, stride_padn, True, HAS_PAD)
+    k = _load_rows(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + n64 * stride_kn, rows, stride_kn,
+                   key_ok, offs_d, HEAD_D, BLOCK_D, True)
+    v = _load_rows(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + n64 * stride_vn, rows, stride_vn,
+                   key_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -385,46 +395,52 @@ def attention_bwd_dkdv_kernel(
         delta_base = Delta + bh * Nq
         bh_offset = bh * Nq * Nk
         for start_m in tl.range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, q_base, do_base, lse_base, delta_base,
+            dk, dv = _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_base,
                                 stride_qm, stride_dom, mask_base, stride_maskm, stride_maskn, Nq, Nk, qk_scale,
-                                seed, bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                seed, bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
                                 IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
         for start_m in tl.range(mid, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, start_m, offs_n, q_base, do_base, lse_base, delta_base,
+            dk, dv = _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_base,
                                 stride_qm, stride_dom, mask_base, stride_maskm, stride_maskn, Nq, Nk, qk_scale,
-                                seed, bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M,
+                                seed, bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
                                 False, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
 
     # Padded and out-of-range keys get no gradient (and whatever was computed for them is dropped).
     dk = tl.where(key_ok[:, None], dk * scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
     row_ok = offs_n < Nk
-    _store_rows(DK + bhk * Nk * HEAD_D, offs_n, HEAD_D, row_ok, offs_d, dk.to(DK.dtype.element_ty), HEAD_D, BLOCK_D)
-    _store_rows(DV + bhk * Nk * HEAD_DV, offs_n, HEAD_DV, row_ok, offs_dv, dv.to(DV.dtype.element_ty),
+    _store_rows(DK + (bhk * Nk + n64) * HEAD_D, rows, HEAD_D, row_ok, offs_d, dk.to(DK.dtype.element_ty), HEAD_D,
+                BLOCK_D)
+    _store_rows(DV + (bhk * Nk + n64) * HEAD_DV, rows, HEAD_DV, row_ok, offs_dv, dv.to(DV.dtype.element_ty),
                 HEAD_DV, BLOCK_DV)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
              mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed, bh_offset,
              dropout_p, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-             HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
+             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
              CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One key tile of dQ. CHECK_KEYS = CHECK_BOUNDS or HAS_PAD."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    """dQ of the query block at start_m += the contribution of key tile [start_n, start_n +
+    BLOCK_N) (CHECK_KEYS = CHECK_BOUNDS or HAS_PAD)."""
+    mi = tl.arange(0, BLOCK_M)[:, None]
+    nj = tl.arange(0, BLOCK_N)
+    offs_n = start_n + nj
+    n64 = tl.cast(start_n, tl.int64)
     key_ok = _key_ok(offs_n, Nk, pad_base, stride_padn, CHECK_BOUNDS, HAS_PAD)
-    k = _load_rows(k_base, offs_n, stride_kn, key_ok, offs_d, HEAD_D, BLOCK_D, CHECK_KEYS)
-    v = _load_rows(v_base, offs_n, stride_vn, key_ok, offs_dv, HEAD_DV, BLOCK_DV, CHECK_KEYS)
+    k = _load_rows(k_base + n64 * stride_kn, nj, stride_kn, key_ok, tl.arange(0, BLOCK_D), HEAD_D, BLOCK_D,
+                   CHECK_KEYS)
+    v = _load_rows(v_base + n64 * stride_vn, nj, stride_vn, key_ok, tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV,
+                   CHECK_KEYS)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = _mask_scores(s, offs_m[:, None], offs_n[None, :], key_ok[None, :], Nq, Nk, mask_base,
-                     stride_maskm, stride_maskn, IS_CAUSAL, MASK_KIND, CHECK_KEYS)
+    s = _mask_scores(s, start_m + mi, offs_n[None, :], mi, nj[None, :], key_ok[None, :], Nq, Nk,
+                     mask_base + tl.cast(start_m, tl.int64) * stride_maskm + n64 * stride_maskn, stride_maskm,
+                     stride_maskn, IS_CAUSAL, MASK_KIND, CHECK_KEYS)
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, bh_offset, offs_m[:, None], offs_n[None, :], Nk, dropout_p)
+        keep = _dropout_keep(seed, bh_offset + tl.cast(start_m, tl.int64) * Nk + n64, mi, nj[None, :], Nk, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -448,23 +464,23 @@ def attention_bwd_dq_kernel(
     b = tl.program_id(2)
     hk = h // GROUP
     bh = b.to(tl.int64) * H + h
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    do_base = DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     mask_base = Mask + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
     pad_base = Pad + b.to(tl.int64) * stride_padb
     bh_offset = bh * Nq * Nk
 
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m64 = tl.cast(start_m, tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = start_m + rows < Nq
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Nq
-    q = _load_rows(q_base, offs_m, stride_qm, row_ok, offs_d, HEAD_D, BLOCK_D, True)
-    do = _load_rows(do_base, offs_m, stride_dom, row_ok, offs_dv, HEAD_DV, BLOCK_DV, True)
-    lse2 = tl.load(Lse + bh * Nq + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(Delta + bh * Nq + offs_m, mask=row_ok, other=0.0)
+    q = _load_rows(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + m64 * stride_qm, rows, stride_qm,
+                   row_ok, offs_d, HEAD_D, BLOCK_D, True)
+    do = _load_rows(DOut + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + m64 * stride_dom, rows,
+                    stride_dom, row_ok, tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV, True)
+    lse2 = tl.load(Lse + bh * Nq + m64 + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + bh * Nq + m64 + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     kv_lo, kv_hi = _kv_range(KvRange, b, Nk, HAS_PAD)  # tiles split as in the forward
@@ -476,16 +492,16 @@ def attention_bwd_dq_kernel(
         full = tl.minimum(full, start_m + 1)
     mid = tl.maximum((full // BLOCK_N) * BLOCK_N, lo)
     for start_n in tl.range(lo, mid, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+        dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
-                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, MASK_KIND,
+                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_KIND,
                       HAS_PAD, HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION)
     for start_n in tl.range(mid, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_kn, stride_vn,
+        dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
-                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, IS_CAUSAL, MASK_KIND,
-                      HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION)
-    _store_rows(DQ + bh * Nq * HEAD_D, offs_m, HEAD_D, row_ok, offs_d, (dq * scale).to(DQ.dtype.element_ty),
+                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                      MASK_KIND, HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION)
+    _store_rows(DQ + (bh * Nq + m64) * HEAD_D, rows, HEAD_D, row_ok, offs_d, (dq * scale).to(DQ.dtype.element_ty),
                 HEAD_D, BLOCK_D)
 
 
