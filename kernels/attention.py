@@ -162,12 +162,13 @@ def _fwd_configs():
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); which apply to a call is decided by _prune_fwd.
+# (128, 64, 4 warps) and (128, 128, 8 warps) spill on sm_80/sm_90 and are left out.
 _FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
-    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-    128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
+    64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+    256: [(64, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
 }
-_FWD_TILES_FP32 = {64: [(64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(32, 32, 4, 1)]}
+_FWD_TILES_FP32 = {d: [(32, 32, 4, 2)] for d in (64, 128, 256)}  # ieee dot: no tensor cores
 _FWD_TILES = sorted({t for d in (_FWD_TILES_LOWP, _FWD_TILES_FP32) for ts in d.values() for t in ts})
 
 
@@ -332,12 +333,13 @@ def _bwd_configs():
 
 # Backward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): the dK/dV kernel holds a BLOCK_N key
 # block and streams BLOCK_M query rows; the dQ kernel holds BLOCK_M query rows and streams keys.
+# dK/dV holds two fp32 (BLOCK_N, head dim) accumulators plus K and V: 8 warps from head dim 128.
 _BWD_TILES_LOWP = {
     64: [(64, 64, 4, 2), (32, 128, 8, 2)],
-    128: [(64, 64, 4, 2), (32, 64, 4, 2)],
-    256: [(32, 64, 4, 1), (64, 64, 8, 1)],
+    128: [(64, 64, 8, 2), (32, 64, 8, 2)],
+    256: [(32, 32, 8, 1), (64, 32, 8, 1)],
 }
-_BWD_TILES_FP32 = {64: [(32, 32, 4, 2)], 128: [(32, 32, 4, 1)], 256: [(16, 32, 4, 1)]}
+_BWD_TILES_FP32 = {d: [(32, 32, 8, 1)] for d in (64, 128, 256)}
 _BWD_TILES = sorted({t for d in (_BWD_TILES_LOWP, _BWD_TILES_FP32) for ts in d.values() for t in ts})
 
 
@@ -625,9 +627,10 @@ def _jit_function(kernel):
 
 
 def compile_cases():
-    """Every autotune config of each kernel for each head-dim class (fp16, with every feature on,
-    the most register-hungry variant; fp32 configs with the ieee dot), plus plain and float-mask
-    variants; forward fp16/bf16 cases must use wgmma on sm_90."""
+    """Every autotune tile of each kernel for each head-dim class (fp16; the first tile of each
+    class with causal + padding + bool mask, the others plain), the fp32 tile, dropout, a float
+    mask with odd head dims, and the backward preprocess; forward fp16/bf16 cases must use wgmma
+    on sm_90."""
     cases = []
 
     def add(kernel, name, dtype, head_d, head_dv, tile, *, causal=False, mask_kind=0, pad=False, dropout=False,
@@ -658,20 +661,20 @@ def compile_cases():
     for kernel, name, lowp, fp32 in kernels:
         forward = kernel is attention_fwd_kernel
         for cls, (d, dv) in heads.items():
-            for tile in lowp[cls]:  # causal + padding + bool mask: the most work per tile but dropout
-                add(kernel, name, torch.float16, d, dv, tile, causal=True, mask_kind=1, pad=True,
-                    expect_wgmma=forward)
-            for tile in fp32[cls]:
-                add(kernel, name, torch.float32, d, dv, tile, causal=True, mask_kind=1, pad=True)
-        # dropout; the plain fast path with a float mask and odd head dims (padded inside the kernel)
+            for i, tile in enumerate(lowp[cls]):
+                # the first tile with causal + padding + bool mask (the most work per tile), the others plain
+                add(kernel, name, torch.float16, d, dv, tile, causal=i == 0, mask_kind=1 if i == 0 else 0,
+                    pad=i == 0, expect_wgmma=forward)
+        # fp32 (one tile for every head dim; checked at the largest), dropout, and a float mask with
+        # odd head dims (padded inside the kernel)
+        add(kernel, name, torch.float32, 256, 256, fp32[256][0], causal=True, mask_kind=1, pad=True)
         add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
-    for dtype in (torch.float16, torch.float32):
-        for dv, block in ((64, 64), (256, 32)):
-            fn = _jit_function(attention_bwd_preprocess_kernel)
-            constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)
-            t = "*" + _TYPE[dtype]
-            cases.append(dict(name=f"attention_bwd_preprocess[{_TYPE[dtype]},dv{dv},m{block}]", fn=fn,
-                              signature=_signature(fn, {"Out": t, "DOut": t, "Delta": "*fp32"}, constexprs),
-                              constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
+    preprocess = _jit_function(attention_bwd_preprocess_kernel)
+    for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
+        constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)
+        t = "*" + _TYPE[dtype]
+        cases.append(dict(name=f"attention_bwd_preprocess[{_TYPE[dtype]},dv{dv},m{block}]", fn=preprocess,
+                          signature=_signature(preprocess, {"Out": t, "DOut": t, "Delta": "*fp32"}, constexprs),
+                          constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
     return cases
