@@ -386,7 +386,6 @@ def attention_bwd_dkdv_kernel(
         skip = (start_n >= kv_hi) | (start_n + BLOCK_N <= kv_lo)
         lo = tl.where(skip, Nq, lo)
         mid = tl.where(skip, Nq, mid)
-    mid = tl.maximum(mid, lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b.to(tl.int64) * H + h
