@@ -626,8 +626,8 @@ def _jit_function(kernel):
 
 
 def compile_cases():
-    """Every autotune tile of each kernel for each head-dim class (fp16; the first tile of each
-    class with causal + padding + bool mask, the others plain), the fp32 tile, dropout, a float
+    """Every autotune tile of each kernel for each head-dim class (fp16, plain; one head-dim-128
+    tile with causal + padding + bool mask), the fp32 tile, dropout, a float
     mask with odd head dims, and the backward preprocess; forward fp16/bf16 cases must use wgmma
     on sm_90."""
     cases = []
@@ -661,9 +661,11 @@ def compile_cases():
         forward = kernel is attention_fwd_kernel
         for cls, (d, dv) in heads.items():
             for i, tile in enumerate(lowp[cls]):
-                # the first tile with causal + padding + bool mask (the most work per tile), the others plain
-                add(kernel, name, torch.float16, d, dv, tile, causal=i == 0, mask_kind=1 if i == 0 else 0,
-                    pad=i == 0, expect_wgmma=forward)
+                # plain, but the first head-dim-128 tile with causal + padding + bool mask (the most work
+                # per tile; these compile several times slower, so only one per kernel)
+                full = cls == 128 and i == 0
+                add(kernel, name, torch.float16, d, dv, tile, causal=full, mask_kind=1 if full else 0, pad=full,
+                    expect_wgmma=forward)
         # fp32 (one tile for every head dim; checked at the largest), dropout, and a float mask with
         # odd head dims (padded inside the kernel)
         add(kernel, name, torch.float32, 256, 256, fp32[256][0], causal=True, mask_kind=1, pad=True)
