@@ -156,8 +156,8 @@ def _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, str
 
 
 def _fwd_configs():
-    if interpreting():  # small tiles: the tests' short sequences still span several tiles
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if interpreting():  # small, unequal tiles: the tests' short sequences span several of them
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _FWD_TILES]
 
 
@@ -327,7 +327,7 @@ def _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_
 
 def _bwd_configs():
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _BWD_TILES]
 
 
@@ -625,6 +625,15 @@ def _jit_function(kernel):
     return kernel
 
 
+def _divisibility(fn, head_d, head_dv):
+    """The launch-time specialization of contiguous q/k/v/dO with head dims that are multiples of
+    16: every tensor pointer and every q/k/v/dO stride divisible by 16 (vectorized loads)."""
+    names = [n for n in fn.arg_names if n in ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV")]
+    if head_d % 16 == 0 and head_dv % 16 == 0:
+        names += [n for n in fn.arg_names if n.startswith(("stride_q", "stride_k", "stride_v", "stride_do"))]
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
 def compile_cases():
     """Every autotune tile of each kernel for each head-dim class (fp16, plain; one head-dim-128
     tile with causal + padding + bool mask), the fp32 tile, dropout, a float
@@ -651,7 +660,7 @@ def compile_cases():
         cases.append(dict(
             name=f"{name}[{_TYPE[dtype]},d{head_d}/{head_dv},{features},m{block_m}n{block_n}w{warps}s{stages}]",
             fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
-            num_warps=warps, num_stages=stages, expect_wgmma=expect_wgmma))
+            attrs=_divisibility(fn, head_d, head_dv), num_warps=warps, num_stages=stages, expect_wgmma=expect_wgmma))
 
     heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
     kernels = ((attention_fwd_kernel, "attention_fwd", _FWD_TILES_LOWP, _FWD_TILES_FP32),

@@ -1,7 +1,8 @@
 """The Triton softmax-attention kernels (kernels/attention.py) against the float64 reference.
 
-`triton`-marked tests run under the interpreter on CPU (small shapes; the interpreter uses 16x16
-tiles, so these lengths span several query and key tiles); the `gpu` test runs the full grid in
+`triton`-marked tests run under the interpreter on CPU (small shapes; the interpreter uses 32x16
+forward and 16x32 backward tiles, so these lengths span several unequal query and key tiles); the
+`gpu` tests run the full grid in
 fp16/bf16 (and a slice in fp32) on a real GPU.
 """
 import pytest
