@@ -1,0 +1,280 @@
+"""The Triton softmax-attention kernels (kernels/attention.py) against the float64 reference.
+
+`triton`-marked tests run under the interpreter on CPU (small shapes; the interpreter uses 32x16
+forward and 16x32 backward tiles, so these lengths span several unequal query and key tiles); the
+`gpu` tests run the full grid in
+fp16/bf16 (and a slice in fp32) on a real GPU.
+"""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import reference
+
+from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+
+pytestmark = pytest.mark.triton
+ops = torch.ops.transformer_fast
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton():
+    reason = tf.available_backends()["triton"]
+    if reason is not None:
+        pytest.skip(f"triton backend unavailable: {reason}")
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------
+# Interpreter (CPU) tests
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("Nq,Nk,D", [(17, 40, 16), (40, 17, 40), (1, 17, 16), (17, 1, 40)])
+def test_lengths_and_causal(Nq, Nk, D, is_causal, dtype):
+    q, k, v = make_qkv(2, 2, Nq, Nk, D, dtype=dtype, device=_device())
+    check_attention("triton", q, k, v, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_key_padding_with_fully_padded_sequence(is_causal):
+    q, k, v = make_qkv(3, 2, 40, 40, 16, device=_device())
+    pad = random_key_padding(3, 40, fully_padded_row=1, device=_device())
+    check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=is_causal)
+
+
+def test_key_padding_arbitrary_positions():
+    """Padding that is not a suffix (left padding, holes, whole 16-key tiles padded)."""
+    q, k, v = make_qkv(3, 2, 17, 40, 16, dtype=torch.float16, device=_device())
+    pad = torch.rand(3, 40, device=_device()) < 0.4
+    pad[0, :20] = True  # leading padding, a whole tile included
+    pad[1, 16:32] = True  # a hole covering a whole key tile
+    pad[2, 1::2] = True
+    check_attention("triton", q, k, v, key_padding_mask=pad)
+    check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", [(17, 40), (2, 1, 17, 40), (2, 1, 1, 40), (1, 17, 1)])
+def test_attn_mask_broadcast(kind, shape):
+    q, k, v = make_qkv(2, 2, 17, 40, 16, device=_device())
+    mask = random_attn_mask(shape, kind, device=_device())
+    check_attention("triton", q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_fully_masked_rows_with_causal_and_padding(kind):
+    q, k, v = make_qkv(2, 2, 40, 17, 40, dtype=torch.float16, device=_device())
+    mask = random_attn_mask((2, 2, 40, 17), kind, dtype=torch.float16, device=_device())
+    mask[0, 1, 5] = False if kind == "bool" else float("-inf")  # a row with no allowed key
+    mask[1, :, 30:] = False if kind == "bool" else float("-inf")
+    pad = random_key_padding(2, 17, device=_device())
+    check_attention("triton", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True)
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "qkv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_contiguous_layouts(layout, dtype):
+    q, k, v = make_qkv(2, 2, 40, 40, 40, dtype=dtype, layout=layout, device=_device())
+    assert not q.is_contiguous()
+    check_attention("triton", q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_gqa_and_value_head_dim(Hk):
+    q, k, v = make_qkv(2, 4, 17, 40, 40, Dv=24, Hk=Hk, layout="bnhd", device=_device())
+    pad = random_key_padding(2, 40, device=_device())
+    check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=True)
+
+
+def test_head_dims_one_and_odd():
+    q, k, v = make_qkv(2, 2, 17, 40, 1, Dv=7, device=_device())
+    check_attention("triton", q, k, v, scale=0.7)
+
+
+def test_lse_matches_reference():
+    q, k, v = make_qkv(2, 2, 40, 17, 16, device=_device())
+    pad = random_key_padding(2, 17, fully_padded_row=0, device=_device())
+    mask = random_attn_mask((40, 17), "bool", device=_device())
+    mask[3] = False
+    args = (mask.expand(2, 2, 40, 17), pad, True, 0.25, 0.0, 0)
+    out, lse = ops.attention_forward(q, k, v, *args, "triton")
+    ref_out, ref_lse = ops.attention_forward(q.double(), k.double(), v.double(), *args, "reference")
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert lse.dtype == torch.float32 and (lse[0] == float("inf")).all() and (lse[:, :, 3] == float("inf")).all()
+    finite = torch.isfinite(ref_lse)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-5
+    assert (out.double() - ref_out).abs().max() < 1e-5
+
+
+def _nan_surrounded(t, pad_rows=None):
+    """`t` (B, H, N, D) copied into a NaN buffer with 3 extra rows and 5 extra columns, returned as
+    the view onto its real part; rows marked in pad_rows (B, N) are NaN too."""
+    B, H, N, D = t.shape
+    buf = torch.full((B, H, N + 3, D + 5), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[:, :, :N, :D]
+    view.copy_(t)
+    if pad_rows is not None:
+        view.masked_fill_(pad_rows[:, None, :, None], float("nan"))
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nan_in_padded_and_out_of_range_keys_does_not_leak(dtype):
+    """NaN in padded key/value rows and next to the tensors' edges (beyond Nk and beyond D in
+    memory) changes nothing: outputs and gradients are bit-identical to those with finite values,
+    padded keys get exactly zero gradient."""
+    q, k, v = make_qkv(2, 2, 17, 40, 40, Dv=24, dtype=dtype, device=_device())
+    pad = random_key_padding(2, 40, device=_device())
+    pad[0, 3] = True
+    dout = torch.randn(2, 2, 17, 24, dtype=dtype, device=_device())
+    results = []
+    for poisoned in (False, True):
+        kk, vv = (_nan_surrounded(k, pad), _nan_surrounded(v, pad)) if poisoned else (k.clone(), v.clone())
+        qq = q.clone()
+        for t in (qq, kk, vv):
+            t.requires_grad_(True)
+        out = tf.scaled_dot_product_attention(qq, kk, vv, key_padding_mask=pad, is_causal=True, backend="triton")
+        out.backward(dout)
+        results.append((out, qq.grad, kk.grad, vv.grad))
+    for clean, poisoned in zip(*results):
+        assert not torch.isnan(poisoned).any()
+        assert torch.equal(clean, poisoned)
+    _, _, dk, dv = results[1]
+    assert (dk.masked_select(pad[:, None, :, None]) == 0).all() and (dv.masked_select(pad[:, None, :, None]) == 0).all()
+    check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=True)
+
+
+def test_reruns_are_bit_identical():
+    q, k, v = make_qkv(2, 4, 40, 40, 16, Hk=2, dtype=torch.float16, device=_device())
+    mask = random_attn_mask((2, 1, 40, 40), "float", dtype=torch.float16, device=_device())
+    dout = torch.randn(2, 4, 40, 16, dtype=torch.float16, device=_device())
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = tf.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                              backend="triton")
+        out.backward(dout)
+        runs.append((out, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def _keep_mask(B, H, Hk, Nq, Nk, D, pad, is_causal, scale, p, seed):
+    """The kernels' dropout keep mask (B, H, Nq, Nk), read off the output with v = identity
+    (out = P * keep / (1 - p), and P > 0 on every allowed pair)."""
+    q, k, _ = make_qkv(B, H, Nq, Nk, D, Hk=Hk, device=_device())
+    eye = torch.eye(Nk, device=_device()).expand(B, Hk, Nk, Nk)
+    out, _ = ops.attention_forward(q, k, eye, None, pad, is_causal, scale, p, seed, "triton")
+    allowed, _ = ops.attention_forward(q, k, eye, None, pad, is_causal, scale, 0.0, 0, "triton")
+    return out != 0, allowed != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_matches_reference_with_the_same_keep_mask(dtype):
+    B, H, Hk, Nq, Nk, D, Dv = 2, 4, 2, 17, 24, 16, 40
+    p, seed, scale, causal = 0.3, 1234 + 2**40, 0.3, True
+    pad = random_key_padding(B, Nk, device=_device())
+    keep, allowed = _keep_mask(B, H, Hk, Nq, Nk, D, pad, causal, scale, p, seed)
+    rate = keep[allowed].float().mean().item()
+    assert allowed.sum() > 500 and abs(rate - (1 - p)) < 0.06, rate
+
+    def kernel(q, k, v):
+        return ops.attention_forward(q, k, v, None, pad, causal, scale, p, seed, "triton")[0]
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, None, causal, scale, key_padding_mask=pad,
+                                                      dropout_mask=keep, dropout_p=p)
+
+    from helpers import compare_with_reference
+
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv=Dv, Hk=Hk, dtype=dtype, device=_device())
+    compare_with_reference(kernel, ref, (q, k, v), grad_inputs=(0, 1, 2), what="attention[triton] dropout")
+
+
+def test_dropout_is_deterministic_per_seed():
+    q, k, v = make_qkv(2, 2, 17, 40, 16, dtype=torch.float16, device=_device())
+    dout = torch.randn(2, 2, 17, 16, dtype=torch.float16, device=_device())
+
+    def run(seed):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out, _ = ops.attention_forward(qq, kk, vv, None, None, False, 0.25, 0.5, seed, "triton")
+        out.backward(dout)
+        return out, qq.grad, kk.grad, vv.grad
+
+    first, again, other = run(7), run(7), run(8)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], other[0])
+    torch.manual_seed(3)
+    a = tf.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="triton")
+    torch.manual_seed(3)
+    b = tf.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="triton")
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# The full grid on a GPU
+# ------------------------------------------------------------------------------------------
+_GPU_LENGTHS = [(1, 1), (17, 17), (64, 64), (129, 129), (300, 300), (1, 300), (17, 129), (300, 64), (129, 17)]
+_GPU_HEAD_DIMS = [16, 40, 64, 80, 128, 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", _GPU_HEAD_DIMS)
+def test_gpu_full_grid(D, dtype):
+    """Every length pair x causal on/off for this head dim and dtype; batch, heads, GQA, layout,
+    padding, masks and the value head dim rotate across the cases."""
+    case = 0
+    for Nq, Nk in _GPU_LENGTHS:
+        for is_causal in (False, True):
+            case += 1
+            B = (1, 3)[case % 2]
+            H, Hk = ((1, 1), (4, 4), (4, 2), (4, 1))[case % 4]
+            layout = ("bhnd", "bnhd", "qkv")[case % 3] if (Nq == Nk and Hk == H) else ("bhnd", "bnhd")[case % 2]
+            Dv = D if layout == "qkv" or case % 5 else max(1, D // 2 + 3)
+            q, k, v = make_qkv(B, H, Nq, Nk, D, Dv=Dv, Hk=Hk, dtype=dtype, layout=layout, device="cuda")
+            pad = random_key_padding(B, Nk, fully_padded_row=0 if B > 1 and case % 3 == 0 else None,
+                                     device="cuda") if case % 3 != 1 else None
+            mask = None
+            if case % 4 == 2:
+                mask = random_attn_mask((Nq, Nk), "bool", device="cuda")
+            elif case % 4 == 3:
+                mask = random_attn_mask((B, 1, Nq, Nk), "float", dtype=dtype, device="cuda")
+            try:
+                check_attention("triton", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal)
+            except AssertionError as exc:
+                raise AssertionError(f"B={B} H={H} Hk={Hk} Nq={Nq} Nk={Nk} D={D} Dv={Dv} causal={is_causal} "
+                                     f"layout={layout} pad={pad is not None} mask={None if mask is None else mask.dtype}"
+                                     f": {exc}") from exc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [16, 80, 256])
+def test_gpu_fp32_is_not_tf32(D):
+    """fp32 inputs use the exact (ieee) dot: tf32 would fail the 2x-reference-error policy."""
+    q, k, v = make_qkv(2, 2, 129, 300, D, dtype=torch.float32, device="cuda")
+    check_attention("triton", q, k, v, is_causal=True,
+                    key_padding_mask=random_key_padding(2, 300, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_and_long_sequences():
+    B, H, Hk, Nq, Nk, D = 2, 4, 2, 129, 300, 64
+    p, seed = 0.2, 99
+    keep, allowed = _keep_mask(B, H, Hk, Nq, Nk, D, None, True, 0.125, p, seed)
+    assert abs(keep[allowed].float().mean().item() - (1 - p)) < 0.01
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk, dtype=torch.bfloat16, device="cuda")
+    from helpers import compare_with_reference
+
+    compare_with_reference(
+        lambda q, k, v: ops.attention_forward(q, k, v, None, None, True, 0.125, p, seed, "triton")[0],
+        lambda q, k, v: reference.scaled_dot_product_attention(q, k, v, None, True, 0.125, dropout_mask=keep,
+                                                               dropout_p=p),
+        (q, k, v), grad_inputs=(0, 1, 2), what="attention[triton] dropout")
+    q, k, v = make_qkv(1, 2, 4100, 4100, 128, dtype=torch.float16, device="cuda")
+    check_attention("triton", q, k, v, is_causal=True)
