@@ -11,6 +11,7 @@ Must run without TRITON_INTERPRET (jit functions are interpreter objects under i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import json
 import os
@@ -77,39 +78,53 @@ def compile_case(case: dict, cap: int) -> dict:
     return report
 
 
+def _check(task):
+    """Compiles case `index` of `family` for `cap`: (report, failure message or None). Runs in a
+    worker process, so it looks the case up again rather than receiving it."""
+    family, index, cap = task
+    case = importlib.import_module(f"{__package__}.{family}").compile_cases()[index]
+    try:
+        report = compile_case(case, cap)
+    except Exception as exc:  # noqa: BLE001 - report every failing case, then fail
+        return None, f"{case['name']} sm_{cap}: {type(exc).__name__}: {str(exc)[:2000]}"
+    report["family"] = family
+    if report.get("hgmma") is False:
+        return report, f"{case['name']} sm_{cap}: no HGMMA (wgmma) in the SASS"
+    return report, None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--only", nargs="+", default=None, help="families to check (default: all)")
     parser.add_argument("--json", default=None, help="write the per-case reports here")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles run in parallel")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the GPU compiler needs real jit functions")
 
     from . import FAMILIES
 
+    tasks = [(family, index, cap)
+             for family in args.only or FAMILIES
+             for index in range(len(importlib.import_module(f"{__package__}.{family}").compile_cases()))
+             for cap in args.arch]
     reports, failures = [], []
-    for family in args.only or FAMILIES:
-        module = importlib.import_module(f"{__package__}.{family}")
-        for case in module.compile_cases():
-            for cap in args.arch:
-                try:
-                    report = compile_case(case, cap)
-                except Exception as exc:  # noqa: BLE001 - report every failing case, then fail
-                    failures.append(f"{case['name']} sm_{cap}: {type(exc).__name__}: {str(exc)[:2000]}")
-                    continue
-                report["family"] = family
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for report, failure in pool.map(_check, tasks):
+            if report is not None:
                 reports.append(report)
-                if report.get("hgmma") is False:
-                    failures.append(f"{case['name']} sm_{cap}: no HGMMA (wgmma) in the SASS")
                 print(f"{report['name']:<60} {report['arch']} regs={report['registers']:>3} "
                       f"spills={report['spill_bytes']} {report['seconds']}s"
                       + (f" hgmma={report['hgmma']}" if "hgmma" in report else ""), flush=True)
+            if failure is not None:
+                failures.append(failure)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cases": reports, "failures": failures}, f, indent=1)
     for failure in failures:
         print("FAILED:", failure, file=sys.stderr)
+    print(f"{len(reports)} compiled, {len(failures)} failed", flush=True)
     return 1 if failures else 0
 
 
