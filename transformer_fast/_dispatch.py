@@ -150,6 +150,7 @@ def available_backends() -> dict:
     return {name: _unavailable_reason(name, None) for name in BACKENDS}
 
 
+@torch.compiler.assume_constant_result  # torch.compile runs it eagerly instead of tracing the loaders
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto") -> str:
     """Chooses the backend for tensors of `dtype` on `device`.
 
