@@ -40,7 +40,7 @@
 namespace transformer_fast {
 namespace {
 
-constexpr int64_t kCausalChunk = 64;   // tokens per chunk of the causal form
+constexpr int64_t kCausalChunk = 64;   // tokens per chunk of the causal form (16..128 time alike)
 constexpr int64_t kChunk = 256;        // rows per block of the non-causal form (only bounds buffers)
 
 // The Fortran BLAS that libtorch_cpu links and exports (MKL on x86-64 wheels) and that ATen's
@@ -110,7 +110,7 @@ void apply_feature_map(acc_t* x, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) {
     Vec v = Vec::loadu(x + i);
-    Vec::blendv(v.exp(), v + Vec(acc_t(1)), v > Vec(acc_t(0))).store(x + i);
+    Vec::blendv(v.exp_u20(), v + Vec(acc_t(1)), v > Vec(acc_t(0))).store(x + i);
   }
   for (; i < n; ++i) x[i] = x[i] > 0 ? x[i] + acc_t(1) : std::exp(x[i]);
 }
@@ -149,26 +149,24 @@ template <typename scalar_t, typename acc_t>
 void store_normalized(const acc_t* n, int64_t rows, int64_t Dv, acc_t eps, scalar_t* dst) {
   const int64_t E = Dv + 1;
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t den = n[r * E + Dv] + eps;
-    for (int64_t c = 0; c < Dv; ++c) dst[r * Dv + c] = static_cast<scalar_t>(n[r * E + c] / den);
+    const acc_t inv_den = acc_t(1) / (n[r * E + Dv] + eps);
+    for (int64_t c = 0; c < Dv; ++c) dst[r * Dv + c] = static_cast<scalar_t>(n[r * E + c] * inv_den);
   }
 }
 
 // G'[r] = [g_r / den_r, -(g_r . out_r) / den_r] from n' (rows x E) and the upstream gradient rows.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Vec = at::vec::Vectorized<acc_t>>
 void gradient_of_normalization(const acc_t* n, const scalar_t* dout, int64_t dout_stride, int64_t rows,
                                int64_t Dv, acc_t eps, acc_t* G) {
   const int64_t E = Dv + 1;
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t den = n[r * E + Dv] + eps;
+    const acc_t inv_den = acc_t(1) / (n[r * E + Dv] + eps);
     const scalar_t* g = dout + r * dout_stride;
-    acc_t g_dot_out = 0;
-    for (int64_t c = 0; c < Dv; ++c) {
-      const acc_t gc = static_cast<acc_t>(g[c]);
-      g_dot_out += gc * (n[r * E + c] / den);
-      G[r * E + c] = gc / den;
-    }
-    G[r * E + Dv] = -g_dot_out / den;
+    acc_t* Gr = G + r * E;
+    for (int64_t c = 0; c < Dv; ++c) Gr[c] = static_cast<acc_t>(g[c]) * inv_den;
+    // -(g . out) / den = -(g / den) . n / den
+    Gr[Dv] = -at::vec::map2_reduce_all<acc_t>([](Vec x, Vec y) { return x * y; },
+                                             [](Vec x, Vec y) { return x + y; }, Gr, n + r * E, Dv) * inv_den;
   }
 }
 
