@@ -42,13 +42,14 @@ def _linear_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.
                                   key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
                                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     return _dispatch.kernel("linear_attention_backward", backend)(dout, q, k, v, key_padding_mask, is_causal, eps)
 
 
 @_linear_attention_backward_op.register_fake
 def _(dout, q, k, v, key_padding_mask, is_causal, eps, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as every backend returns them (empty_like would keep a transposed input's strides).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
