@@ -192,6 +192,11 @@ def test_opcheck(backend):
     dout = torch.randn(2, 2, 7, 8)
     torch.library.opcheck(ops.linear_attention_backward, (dout, q.detach(), k.detach(), v.detach(), pad, False, 1e-6,
                                                           backend))
+    q_t, k_t, v_t = make_qkv(2, 2, 7, 7, 8, 8, layout="bnhd")  # transposed views: outputs are still contiguous
+    torch.library.opcheck(ops.linear_attention_forward, (q_t.requires_grad_(), k_t.requires_grad_(),
+                                                         v_t.requires_grad_(), pad, True, 1e-6, backend))
+    torch.library.opcheck(ops.linear_attention_backward, (dout, q_t.detach(), k_t.detach(), v_t.detach(), None, True,
+                                                          1e-6, backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
