@@ -170,19 +170,26 @@ void gradient_of_normalization(const acc_t* n, const scalar_t* dout, int64_t dou
   }
 }
 
-// dst row r = grad[r] * elu'(x_r) = grad[r] * min(phi(x_r), 1); zero for a padded row.
+// dst row r = grad[r] * elu'(x_r) = grad[r] * min(phi(x_r), 1) (grad is overwritten with it); zero
+// for a padded row. Branch-free: the sign of x is random, a branch per element mispredicts.
 template <typename scalar_t, typename acc_t>
-void store_input_grad(const acc_t* grad, const acc_t* phi, int64_t rows, int64_t width, const bool* padded,
+void store_input_grad(acc_t* grad, const acc_t* phi, int64_t rows, int64_t width, const bool* padded,
                       scalar_t* dst) {
+  using Vec = at::vec::Vectorized<acc_t>;
   for (int64_t r = 0; r < rows; ++r) {
     scalar_t* d = dst + r * width;
     if (padded != nullptr && padded[r]) {
       std::fill(d, d + width, scalar_t(0));
       continue;
     }
-    for (int64_t c = 0; c < width; ++c) {
-      d[c] = static_cast<scalar_t>(grad[r * width + c] * std::min(phi[r * width + c], acc_t(1)));
+    acc_t* g = grad + r * width;
+    const acc_t* p = phi + r * width;
+    int64_t c = 0;
+    for (; c + Vec::size() <= width; c += Vec::size()) {
+      (Vec::loadu(g + c) * at::vec::minimum(Vec::loadu(p + c), Vec(acc_t(1)))).store(g + c);
     }
+    for (; c < width; ++c) g[c] *= std::min(p[c], acc_t(1));
+    for (c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(g[c]);
   }
 }
 
