@@ -18,18 +18,24 @@
 // the intra-chunk (C x C) parts in a forward sweep (which also yields G'), and the inter-chunk
 // parts with R' in a reverse sweep. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
 
-// ATen's Vectorized<float> only uses AVX2 intrinsics (and SLEEF's exp) when CPU_CAPABILITY_AVX2 is
-// defined, as it is for ATen's own AVX2 kernels; do the same when the compiler targets AVX2+FMA,
-// otherwise the generic (scalar-loop) Vectorized is used.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
+// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for its
+// own per-ISA builds; select the one this translation unit is compiled for (AVX2+FMA or
+// -march=native), as csrc/attention.cpp does. Without them at::vec falls back to scalar loops.
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
+#endif
 #endif
 
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
