@@ -1,13 +1,457 @@
-// PLACEHOLDER until the linear-attention kernel lands (issue 5).
+// Linear attention (Katharopoulos et al. 2020) with phi(x) = elu(x) + 1 on CPU: forward and backward,
+// causal and not. The contract is in transformer_fast/linear_attention.py.
+//
+// Per (batch, head), with phi applied to q and k, padded keys loaded as zero rows (their memory is
+// never read, so NaN there cannot leak) and V' = [V, 1] (the ones column makes every product that
+// builds the numerator also build the denominator):
+//   S' = sum_j phi(k_j)^T v'_j (D x (Dv+1)) = [S, z],   n'_i = phi(q_i) S' = [numerator, denominator - eps].
+// Causal: the sequence is cut into chunks of kCausalChunk tokens; a chunk's output is its masked
+// C x C block phi(Q_c) phi(K_c)^T V'_c plus phi(Q_c) S'_(before the chunk), then S' += phi(K_c)^T V'_c.
+// Nothing of size N x D x Dv is ever formed; the state is float32 (float64 for float64 inputs).
+//
+// Backward, with g_i = dout_i, den_i = n'_i[Dv] + eps, out_i = n_i / den_i:
+//   G'_i = [g_i / den_i, -(g_i . out_i) / den_i]         (d numerator, d denominator)
+//   dW_ij = G'_i . v'_j  for the allowed (i, j)           (d phi(q_i).phi(k_j))
+//   d phi(q_i) = sum_j dW_ij phi(k_j) = S'_(i) G'_i       (S'_(i): the state the forward used for row i)
+//   d phi(k_j) = sum_i dW_ij phi(q_i) = R'_(j) v'_j,  dv_j = R'_(j)[:, :Dv]^T phi(k_j)
+// with the reverse-direction state R'_(j) = sum_{allowed i} phi(q_i)^T G'_i. The causal form does
+// the intra-chunk (C x C) parts in a forward sweep (which also yields G'), and the inter-chunk
+// parts with R' in a reverse sweep. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
+
+// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for its
+// own per-ISA builds; select the one this translation unit is compiled for (AVX2+FMA or
+// -march=native), as csrc/attention.cpp does. Without them at::vec falls back to scalar loops.
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+#endif
+
 #include "ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
 namespace transformer_fast {
-at::Tensor linear_attention_forward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const std::optional<at::Tensor>&, bool, double) {
-  TORCH_CHECK(false, "linear_attention_forward: not implemented in C++ yet");
+namespace {
+
+constexpr int64_t kCausalChunk = 64;   // tokens per chunk of the causal form (16..128 time alike)
+constexpr int64_t kChunk = 256;        // rows per block of the non-causal form (only bounds buffers)
+
+// The Fortran BLAS that libtorch_cpu links and exports (MKL on x86-64 wheels) and that ATen's
+// cpublas::gemm calls; cpublas::gemm itself is not exported to extensions. Declared weak so the
+// extension still loads against a torch without them, using at::mm instead.
+#if defined(__GNUC__)
+#define TF_WEAK __attribute__((weak))
+#else
+#define TF_WEAK
+#endif
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) TF_WEAK;
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) TF_WEAK;
 }
+
+template <typename acc_t>
+void blas_gemm(char ta, char tb, int m, int n, int k, const acc_t* a, int lda, const acc_t* b, int ldb, acc_t beta,
+               acc_t* c, int ldc, bool* done) {
+  const acc_t one = 1;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (&sgemm_ != nullptr) {
+      sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+      *done = true;
+    }
+  } else {
+    if (&dgemm_ != nullptr) {
+      dgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
+      *done = true;
+    }
+  }
+}
+
+// Row-major c (m x n, row stride ldc) = op(a) op(b) + beta * c, where op(a) is m x k and op(b) k x n;
+// a transposed operand is stored as its (k x m) / (n x k) transpose. BLAS is column-major, so this
+// computes c^T = op(b)^T op(a)^T. beta = 0 never reads c.
+template <typename acc_t>
+void matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t lda,
+            const acc_t* b, int64_t ldb, acc_t beta, acc_t* c, int64_t ldc) {
+  bool done = false;
+  blas_gemm<acc_t>(trans_b ? 'T' : 'N', trans_a ? 'T' : 'N', static_cast<int>(n), static_cast<int>(m),
+                   static_cast<int>(k), b, static_cast<int>(ldb), a, static_cast<int>(lda), beta, c,
+                   static_cast<int>(ldc), &done);
+  if (done) return;
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  auto view = [&](const acc_t* p, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
+    at::Tensor t = at::from_blob(const_cast<acc_t*>(p), {rows, cols}, {ld, 1}, options);
+    return transposed ? t.t() : t;
+  };
+  at::Tensor out = view(c, m, n, ldc, false);
+  const at::Tensor product = at::mm(trans_a ? view(a, k, m, lda, true) : view(a, m, k, lda, false),
+                                    trans_b ? view(b, n, k, ldb, true) : view(b, k, n, ldb, false));
+  if (beta == acc_t(0)) {
+    out.copy_(product);
+  } else {
+    out.mul_(beta).add_(product);
+  }
+}
+
+// x <- phi(x) = elu(x) + 1 = (x > 0 ? x + 1 : exp(x)).
+template <typename acc_t>
+void apply_feature_map(acc_t* x, int64_t n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec v = Vec::loadu(x + i);
+    Vec::blendv(v.exp_u20(), v + Vec(acc_t(1)), v > Vec(acc_t(0))).store(x + i);
+  }
+  for (; i < n; ++i) x[i] = x[i] > 0 ? x[i] + acc_t(1) : std::exp(x[i]);
+}
+
+// (batch, head) slices of a (B, H, N, width) tensor with a unit last-dim stride.
+template <typename scalar_t>
+struct Heads {
+  const scalar_t* data;
+  int64_t stride_b, stride_h, stride_n;
+  explicit Heads(const at::Tensor& t)
+      : data(t.const_data_ptr<scalar_t>()), stride_b(t.stride(0)), stride_h(t.stride(1)), stride_n(t.stride(2)) {}
+  const scalar_t* head(int64_t b, int64_t h) const { return data + b * stride_b + h * stride_h; }
+};
+
+// dst[r, :width] = src row r (as acc_t, through phi if feature_map) for r < rows; rows of padded
+// keys are zeros and are not read. With ones_column, dst[r, width] = 1 (0 for a padded key).
+template <typename scalar_t, typename acc_t>
+void load_rows(const scalar_t* src, int64_t stride, int64_t rows, int64_t width, const bool* padded,
+               bool feature_map, bool ones_column, acc_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* d = dst + r * ld;
+    const bool skip = padded != nullptr && padded[r];
+    if (skip) {
+      std::fill(d, d + width, acc_t(0));
+    } else {
+      const scalar_t* s = src + r * stride;
+      for (int64_t c = 0; c < width; ++c) d[c] = static_cast<acc_t>(s[c]);
+      if (feature_map) apply_feature_map(d, width);
+    }
+    if (ones_column) d[width] = skip ? acc_t(0) : acc_t(1);
+  }
+}
+
+// dst row r = n'[r, :Dv] / (n'[r, Dv] + eps).
+template <typename scalar_t, typename acc_t>
+void store_normalized(const acc_t* n, int64_t rows, int64_t Dv, acc_t eps, scalar_t* dst) {
+  const int64_t E = Dv + 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t inv_den = acc_t(1) / (n[r * E + Dv] + eps);
+    for (int64_t c = 0; c < Dv; ++c) dst[r * Dv + c] = static_cast<scalar_t>(n[r * E + c] * inv_den);
+  }
+}
+
+// G'[r] = [g_r / den_r, -(g_r . out_r) / den_r] from n' (rows x E) and the upstream gradient rows.
+template <typename scalar_t, typename acc_t, typename Vec = at::vec::Vectorized<acc_t>>
+void gradient_of_normalization(const acc_t* n, const scalar_t* dout, int64_t dout_stride, int64_t rows,
+                               int64_t Dv, acc_t eps, acc_t* G) {
+  const int64_t E = Dv + 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t inv_den = acc_t(1) / (n[r * E + Dv] + eps);
+    const scalar_t* g = dout + r * dout_stride;
+    acc_t* Gr = G + r * E;
+    for (int64_t c = 0; c < Dv; ++c) Gr[c] = static_cast<acc_t>(g[c]) * inv_den;
+    // -(g . out) / den = -(g / den) . n / den
+    Gr[Dv] = -at::vec::map2_reduce_all<acc_t>([](Vec x, Vec y) { return x * y; },
+                                             [](Vec x, Vec y) { return x + y; }, Gr, n + r * E, Dv) * inv_den;
+  }
+}
+
+// dst row r = grad[r] * elu'(x_r) = grad[r] * min(phi(x_r), 1) (grad is overwritten with it); zero
+// for a padded row. Branch-free: the sign of x is random, a branch per element mispredicts.
+template <typename scalar_t, typename acc_t>
+void store_input_grad(acc_t* grad, const acc_t* phi, int64_t rows, int64_t width, const bool* padded,
+                      scalar_t* dst) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* d = dst + r * width;
+    if (padded != nullptr && padded[r]) {
+      std::fill(d, d + width, scalar_t(0));
+      continue;
+    }
+    acc_t* g = grad + r * width;
+    const acc_t* p = phi + r * width;
+    int64_t c = 0;
+    for (; c + Vec::size() <= width; c += Vec::size()) {
+      (Vec::loadu(g + c) * at::vec::minimum(Vec::loadu(p + c), Vec(acc_t(1)))).store(g + c);
+    }
+    for (; c < width; ++c) g[c] *= std::min(p[c], acc_t(1));
+    for (c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(g[c]);
+  }
+}
+
+// dst row r = src row r (rows x width, row stride ld); zero for a padded row.
+template <typename scalar_t, typename acc_t>
+void store_value_grad(const acc_t* src, int64_t ld, int64_t rows, int64_t width, const bool* padded, scalar_t* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* d = dst + r * width;
+    const bool skip = padded != nullptr && padded[r];
+    for (int64_t c = 0; c < width; ++c) d[c] = skip ? scalar_t(0) : static_cast<scalar_t>(src[r * ld + c]);
+  }
+}
+
+// Zeroes the strictly upper triangle (j > i) of a rows x rows block with row stride ld.
+template <typename acc_t>
+void keep_lower_triangle(acc_t* a, int64_t rows, int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i) std::fill(a + i * ld + i + 1, a + i * ld + rows, acc_t(0));
+}
+
+struct Sizes {
+  int64_t B, H, Nq, Nk, D, Dv;
+};
+
+template <typename scalar_t, typename acc_t>
+void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t* k, int64_t sk, const scalar_t* v,
+                  int64_t sv, const bool* padded, bool is_causal, acc_t eps, scalar_t* out, std::vector<acc_t>& ws) {
+  const int64_t D = s.D, Dv = s.Dv, E = Dv + 1;
+  const int64_t C = is_causal ? kCausalChunk : kChunk;
+  ws.resize(2 * C * D + 2 * C * E + C * C + D * E);
+  acc_t* Qc = ws.data();
+  acc_t* Kc = Qc + C * D;
+  acc_t* Vc = Kc + C * D;
+  acc_t* Nc = Vc + C * E;
+  acc_t* A = Nc + C * E;
+  acc_t* S = A + C * C;
+  std::fill(S, S + D * E, acc_t(0));
+  if (!is_causal) {
+    for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
+      const int64_t rows = std::min(C, s.Nk - j0);
+      const bool* pad = padded ? padded + j0 : nullptr;
+      load_rows(k + j0 * sk, sk, rows, D, pad, true, false, Kc, D);
+      load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Vc, E);
+      matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K)^T V'
+    }
+    for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
+      const int64_t rows = std::min(C, s.Nq - i0);
+      load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, Qc, D);
+      matmul(false, false, rows, E, D, Qc, D, S, E, acc_t(0), Nc, E);  // n' = phi(Q) S'
+      store_normalized(Nc, rows, Dv, eps, out + i0 * Dv);
+    }
+    return;
+  }
+  for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
+    const int64_t rows = std::min(C, s.Nq - i0);
+    const bool* pad = padded ? padded + i0 : nullptr;
+    load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, Qc, D);
+    load_rows(k + i0 * sk, sk, rows, D, pad, true, false, Kc, D);
+    load_rows(v + i0 * sv, sv, rows, Dv, pad, false, true, Vc, E);
+    matmul(false, true, rows, rows, D, Qc, D, Kc, D, acc_t(0), A, C);  // A = phi(Q_c) phi(K_c)^T
+    keep_lower_triangle(A, rows, C);
+    matmul(false, false, rows, E, rows, A, C, Vc, E, acc_t(0), Nc, E);  // n' = A V'_c
+    matmul(false, false, rows, E, D, Qc, D, S, E, acc_t(1), Nc, E);     //    + phi(Q_c) S'
+    store_normalized(Nc, rows, Dv, eps, out + i0 * Dv);
+    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);      // S' += phi(K_c)^T V'_c
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
+                             const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
+                             acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, std::vector<acc_t>& ws) {
+  const int64_t D = s.D, Dv = s.Dv, E = Dv + 1, C = kChunk;
+  ws.resize(2 * C * D + 2 * C * E + 2 * D * E);
+  acc_t* X = ws.data();      // phi(Q) or phi(K) block
+  acc_t* dX = X + C * D;     // its gradient
+  acc_t* Y = dX + C * D;     // V' block, or G'
+  acc_t* Nc = Y + C * E;     // n', or dv block
+  acc_t* S = Nc + C * E;
+  acc_t* R = S + D * E;
+  std::fill(S, S + 2 * D * E, acc_t(0));
+  for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
+    const int64_t rows = std::min(C, s.Nk - j0);
+    const bool* pad = padded ? padded + j0 : nullptr;
+    load_rows(k + j0 * sk, sk, rows, D, pad, true, false, X, D);
+    load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Y, E);
+    matmul(true, false, D, E, rows, X, D, Y, E, acc_t(1), S, E);  // S' += phi(K)^T V'
+  }
+  for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
+    const int64_t rows = std::min(C, s.Nq - i0);
+    load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, X, D);
+    matmul(false, false, rows, E, D, X, D, S, E, acc_t(0), Nc, E);  // n' = phi(Q) S'
+    gradient_of_normalization(Nc, dout + i0 * sg, sg, rows, Dv, eps, Y);
+    matmul(false, true, rows, D, E, Y, E, S, E, acc_t(0), dX, D);   // d phi(Q) = G' S'^T
+    store_input_grad(dX, X, rows, D, static_cast<const bool*>(nullptr), dq + i0 * D);
+    matmul(true, false, D, E, rows, X, D, Y, E, acc_t(1), R, E);    // R' += phi(Q)^T G'
+  }
+  for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
+    const int64_t rows = std::min(C, s.Nk - j0);
+    const bool* pad = padded ? padded + j0 : nullptr;
+    load_rows(k + j0 * sk, sk, rows, D, pad, true, false, X, D);
+    load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Y, E);
+    matmul(false, true, rows, D, E, Y, E, R, E, acc_t(0), dX, D);   // d phi(K) = V' R'^T
+    store_input_grad(dX, X, rows, D, pad, dk + j0 * D);
+    matmul(false, false, rows, Dv, D, X, D, R, E, acc_t(0), Nc, Dv);  // dv = phi(K) R
+    store_value_grad(Nc, Dv, rows, Dv, pad, dv + j0 * Dv);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
+                          const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
+                          acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, std::vector<acc_t>& ws) {
+  const int64_t N = s.Nq, D = s.D, Dv = s.Dv, E = Dv + 1, C = kCausalChunk;
+  // Whole-sequence buffers (linear in N): phi(Q), phi(K), V', G', d phi(K), dv; then per-chunk scratch.
+  ws.resize(3 * N * D + 2 * N * E + N * Dv + 2 * C * C + C * E + C * D + D * E);
+  acc_t* Q = ws.data();
+  acc_t* K = Q + N * D;
+  acc_t* V = K + N * D;
+  acc_t* G = V + N * E;
+  acc_t* dK = G + N * E;
+  acc_t* dV = dK + N * D;
+  acc_t* A = dV + N * Dv;
+  acc_t* dW = A + C * C;
+  acc_t* Nc = dW + C * C;
+  acc_t* dQc = Nc + C * E;
+  acc_t* S = dQc + C * D;  // S' in the forward sweep, R' in the reverse one
+  load_rows(q, sq, N, D, static_cast<const bool*>(nullptr), true, false, Q, D);
+  load_rows(k, sk, N, D, padded, true, false, K, D);
+  load_rows(v, sv, N, Dv, padded, false, true, V, E);
+  std::fill(S, S + D * E, acc_t(0));
+  for (int64_t i0 = 0; i0 < N; i0 += C) {
+    const int64_t rows = std::min(C, N - i0);
+    const acc_t* Qc = Q + i0 * D;
+    const acc_t* Kc = K + i0 * D;
+    const acc_t* Vc = V + i0 * E;
+    acc_t* Gc = G + i0 * E;
+    matmul(false, true, rows, rows, D, Qc, D, Kc, D, acc_t(0), A, C);  // A = phi(Q_c) phi(K_c)^T
+    keep_lower_triangle(A, rows, C);
+    matmul(false, false, rows, E, rows, A, C, Vc, E, acc_t(0), Nc, E);  // n' = A V'_c + phi(Q_c) S'
+    matmul(false, false, rows, E, D, Qc, D, S, E, acc_t(1), Nc, E);
+    gradient_of_normalization(Nc, dout + i0 * sg, sg, rows, Dv, eps, Gc);
+    matmul(false, true, rows, rows, E, Gc, E, Vc, E, acc_t(0), dW, C);  // dW = G'_c V'_c^T
+    keep_lower_triangle(dW, rows, C);
+    matmul(false, false, rows, D, rows, dW, C, Kc, D, acc_t(0), dQc, D);  // d phi(Q_c) = dW phi(K_c)
+    matmul(false, true, rows, D, E, Gc, E, S, E, acc_t(1), dQc, D);       //   + G'_c S'^T
+    store_input_grad(dQc, Qc, rows, D, static_cast<const bool*>(nullptr), dq + i0 * D);
+    matmul(true, false, rows, D, rows, dW, C, Qc, D, acc_t(0), dK + i0 * D, D);   // d phi(K_c) = dW^T phi(Q_c)
+    matmul(true, false, rows, Dv, rows, A, C, Gc, E, acc_t(0), dV + i0 * Dv, Dv);  // dv_c = A^T G'_c
+    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K_c)^T V'_c
+  }
+  acc_t* R = S;
+  std::fill(R, R + D * E, acc_t(0));
+  for (int64_t i0 = ((N - 1) / C) * C; i0 >= 0; i0 -= C) {
+    const int64_t rows = std::min(C, N - i0);
+    matmul(false, true, rows, D, E, V + i0 * E, E, R, E, acc_t(1), dK + i0 * D, D);    // d phi(K_c) += V'_c R'^T
+    matmul(false, false, rows, Dv, D, K + i0 * D, D, R, E, acc_t(1), dV + i0 * Dv, Dv);  // dv_c += phi(K_c) R
+    matmul(true, false, D, E, rows, Q + i0 * D, D, G + i0 * E, E, acc_t(1), R, E);     // R' += phi(Q_c)^T G'_c
+  }
+  store_input_grad(dK, K, N, D, padded, dk);
+  store_value_grad(dV, Dv, N, Dv, padded, dv);
+}
+
+// Shapes, dtypes and layouts the kernels rely on; the public function has already checked the
+// user's arguments, so these guard direct calls of the extension.
+void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& key_padding_mask, bool is_causal) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), fn, ": CPU tensors only");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+              ": q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1) &&
+                  k.size(3) == q.size(3) && v.size(2) == k.size(2),
+              fn, ": inconsistent shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(!is_causal || q.size(2) == k.size(2), fn, ": causal needs equal query and key lengths, got ",
+              q.size(2), " and ", k.size(2));
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& m = *key_padding_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == k.size(2), fn,
+                ": key_padding_mask must be a bool (B, Nk) = (", q.size(0), ", ", k.size(2), ") tensor, got ",
+                m.scalar_type(), " ", m.sizes());
+  }
+}
+
+// A view with a unit last-dim stride (a copy only if the last dim is strided).
+at::Tensor unit_last_stride(const at::Tensor& t) {
+  return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+}
+
+template <typename scalar_t>
+using acc_type_for = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+}  // namespace
+
+at::Tensor linear_attention_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps) {
+  check_inputs("linear_attention_forward", q_in, k_in, v_in, key_padding_mask, is_causal);
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const Sizes s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  at::Tensor out = new_output({s.B, s.H, s.Nq, s.Dv}, q.options());
+  if (out.numel() == 0) return out;
+  if (s.Nk == 0) return out.zero_();
+  const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_forward", [&] {
+    using acc_t = acc_type_for<scalar_t>;
+    const Heads<scalar_t> qh(q), kh(k), vh(v);
+    const bool* mask_ptr = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+    scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> ws;
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / s.H, h = bh % s.H;
+        forward_head<scalar_t, acc_t>(s, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
+                                      vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, is_causal,
+                                      static_cast<acc_t>(eps), out_ptr + bh * s.Nq * s.Dv, ws);
+      }
+    });
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, bool, double) {
-  TORCH_CHECK(false, "linear_attention_backward: not implemented in C++ yet");
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps) {
+  check_inputs("linear_attention_backward", q_in, k_in, v_in, key_padding_mask, is_causal);
+  TORCH_CHECK(dout_in.dim() == 4 && dout_in.size(0) == q_in.size(0) && dout_in.size(1) == q_in.size(1) &&
+                  dout_in.size(2) == q_in.size(2) && dout_in.size(3) == v_in.size(3),
+              "linear_attention_backward: dout must be (B, H, Nq, Dv), got ", dout_in.sizes());
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
+  const Sizes s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  at::Tensor dq = new_output(q.sizes(), q.options());
+  at::Tensor dk = new_output(k.sizes(), k.options());
+  at::Tensor dv = new_output(v.sizes(), v.options());
+  if (s.B * s.H == 0) return {dq, dk, dv};
+  if (s.Nq == 0 || s.Nk == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_backward", [&] {
+    using acc_t = acc_type_for<scalar_t>;
+    const Heads<scalar_t> gh(dout), qh(q), kh(k), vh(v);
+    const bool* mask_ptr = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+    scalar_t* dq_ptr = dq.mutable_data_ptr<scalar_t>();
+    scalar_t* dk_ptr = dk.mutable_data_ptr<scalar_t>();
+    scalar_t* dv_ptr = dv.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> ws;
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / s.H, h = bh % s.H;
+        const auto kernel = is_causal ? backward_head_causal<scalar_t, acc_t> : backward_head_noncausal<scalar_t, acc_t>;
+        kernel(s, gh.head(b, h), gh.stride_n, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
+               vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, static_cast<acc_t>(eps),
+               dq_ptr + bh * s.Nq * s.D, dk_ptr + bh * s.Nk * s.D, dv_ptr + bh * s.Nk * s.Dv, ws);
+      }
+    });
+  });
+  return {dq, dk, dv};
 }
+
 }  // namespace transformer_fast

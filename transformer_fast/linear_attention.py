@@ -42,7 +42,7 @@ def _linear_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.
                                   key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
                                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     return _dispatch.kernel("linear_attention_backward", backend)(dout, q, k, v, key_padding_mask, is_causal, eps)
 
 
