@@ -10,17 +10,7 @@
 // left out of the tile's value (and, in the backward, key) products, so NaN or inf stored in
 // padded keys/values cannot reach the output or the gradients.
 
-// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for
-// its own per-ISA builds; this translation unit is compiled for AVX2+FMA (or -march=native).
-#if !defined(CPU_CAPABILITY)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-#endif
+#include "cpu_capability.h"  // first: selects at::vec's ISA
 
 #include "ops.h"
 

@@ -9,18 +9,8 @@
 // are summed into one float32 buffer per block of rows, then reduced in block order: the result
 // is deterministic for a fixed thread count.
 
-// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for
-// its own per-ISA builds; this translation unit is compiled for AVX2+FMA (or -march=native).
 // The code below is written for any Vec::size().
-#if !defined(CPU_CAPABILITY)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-#endif
+#include "cpu_capability.h"  // first: selects at::vec's ISA
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

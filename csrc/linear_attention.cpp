@@ -18,18 +18,7 @@
 // the intra-chunk (C x C) parts in a forward sweep (which also yields G'), and the inter-chunk
 // parts with R' in a reverse sweep. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
 
-// at::vec picks its implementation from CPU_CAPABILITY_* macros, which PyTorch defines only for its
-// own per-ISA builds; select the one this translation unit is compiled for (AVX2+FMA or
-// -march=native), as csrc/attention.cpp does. Without them at::vec falls back to scalar loops.
-#if !defined(CPU_CAPABILITY)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-#endif
+#include "cpu_capability.h"  // first: selects at::vec's ISA
 
 #include "ops.h"
 

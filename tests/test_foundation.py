@@ -13,12 +13,17 @@ import transformer_fast as tf
 from transformer_fast import _dispatch, reference
 
 
-def test_kernels_installed_inside_the_package_only():
-    assert importlib.util.find_spec("transformer_fast.kernels") is not None
-    spec = importlib.util.find_spec("kernels")
-    # A top-level `kernels` must not come from us (a PyPI package of that name exists).
-    assert spec is None or "transformer_fast" not in (spec.origin or "") and \
-        os.path.dirname(os.path.dirname(tf.__file__)) not in (spec.origin or "")
+def test_kernels_installed_inside_the_package_only(tmp_path):
+    """transformer_fast.kernels imports; a top-level `kernels` (a PyPI package has that name) does not
+    come from us. Checked from another directory, so the checkout itself is not on sys.path."""
+    code = ("import importlib.util, os, transformer_fast\n"
+            "assert importlib.util.find_spec('transformer_fast.kernels') is not None\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "ours = os.path.dirname(os.path.dirname(os.path.realpath(transformer_fast.__file__)))\n"
+            "assert spec is None or not os.path.realpath(spec.origin or '').startswith(ours), spec\n"
+            "print('OK')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 def test_non_editable_install_has_no_top_level_kernels(tmp_path):
