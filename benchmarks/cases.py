@@ -386,12 +386,16 @@ class TorchSeq2Seq(nn.Module):
                                           dropout=0.0, batch_first=True)
         self.generator = nn.Linear(d_model, vocab)
 
-    def forward(self, src, tgt):
+    def forward(self, src, tgt, pad_id=0):
+        # the same work as ours: padding masks (src == pad, tgt == pad) and a causal target mask
+        src_padding, tgt_padding = src == pad_id, tgt == pad_id
         m = tgt.shape[1]
         src = self.src_embed(src) * self.scale + self.positions[: src.shape[1]].to(self.src_embed.weight.dtype)
         tgt = self.tgt_embed(tgt) * self.scale + self.positions[:m].to(self.tgt_embed.weight.dtype)
-        mask = nn.Transformer.generate_square_subsequent_mask(m, device=tgt.device, dtype=tgt.dtype)
-        return self.generator(self.transformer(src, tgt, tgt_mask=mask, tgt_is_causal=True))
+        causal = torch.ones(m, m, dtype=torch.bool, device=tgt.device).triu(1)  # True = may not attend
+        return self.generator(self.transformer(src, tgt, tgt_mask=causal, src_key_padding_mask=src_padding,
+                                               tgt_key_padding_mask=tgt_padding,
+                                               memory_key_padding_mask=src_padding, tgt_is_causal=True))
 
 
 def build_ours_model(attention, vocab, d_model, nhead, num_layers, dim_feedforward, max_len):
@@ -412,7 +416,7 @@ def build_ours_model(attention, vocab, d_model, nhead, num_layers, dim_feedforwa
             kwargs[name] = max_len
     try:
         return Seq2SeqTransformer(vocab, vocab, **kwargs)
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
         raise NotAvailable(f"Seq2SeqTransformer(attention={attention!r}) failed: {type(exc).__name__}: {exc}") \
             from exc
 
@@ -447,8 +451,9 @@ class TrainStepGroup(Group):
 
     def setup(self):
         g = self.generator()
-        tokens = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=g).to(self.device)
-        self.src = torch.randint(0, self.vocab, (self.batch, self.seq_len), generator=g).to(self.device)
+        # token 0 is padding (for both models): draw 1 .. vocab - 1, so nothing is padded
+        tokens = torch.randint(1, self.vocab, (self.batch, self.seq_len + 1), generator=g).to(self.device)
+        self.src = torch.randint(1, self.vocab, (self.batch, self.seq_len), generator=g).to(self.device)
         self.tgt_in, self.tgt_out = tokens[:, :-1], tokens[:, 1:]
         self._state = {}
 

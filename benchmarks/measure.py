@@ -75,8 +75,10 @@ def time_interleaved(fns, device, *, first_call_s=None, max_repeats=25, min_repe
     first_call_s = dict(first_call_s or {})
     inner, est_round = {}, 0.0
     with _gc_paused():
-        for name in names:  # calibration, which also warms up every implementation
-            t = min(time_once(fns[name], device), first_call_s.get(name, float("inf")))
+        for name in names:  # calibration (and warm-up) unless an earlier call was long enough to tell
+            t = first_call_s.get(name, 0.0)
+            if t < 0.05:
+                t = min(time_once(fns[name], device), t or float("inf"))
             inner[name] = max(1, min(1000, int(min_sample_s / max(t, 1e-7))))
             est_round += t * inner[name]
         repeats = int(max(min_repeats, min(max_repeats, budget_s // max(est_round, 1e-9))))

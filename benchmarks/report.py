@@ -189,6 +189,11 @@ def header_lines(result):
              f"Backend for ours: {result['backends']['selected'].get('attention')}",
              f"Measured ceilings: {c['matmul']['dtype']} matmul {c['matmul']['flops_per_s'] / 1e9:,.1f} GFLOP/s "
              f"({c['matmul']['size']}^3), copy {c['copy']['bytes_per_s'] / 1e9:,.1f} GB/s (read + write)"]
+    load = result.get("load_average") or {}
+    if load.get("start"):
+        lines.append(f"Load average (1, 5, 15 min) at start {load['start']}, at end {load.get('end')} "
+                     f"on {d['cpu_count']} CPUs" + (": a busy machine, noisy timings"
+                                                    if load["start"][0] > (d["cpu_count"] or 1) else ""))
     if result.get("interrupted"):
         lines.append("INTERRUPTED: partial results")
     return lines
@@ -243,19 +248,32 @@ def _series(records, impl, config, key):
     return sorted(pts)
 
 
+def _tick_label(y, _pos=None):
+    """Log-axis labels at 1, 2 and 5 times a power of ten, in plain numbers."""
+    if y <= 0:
+        return ""
+    mantissa = y / 10 ** math.floor(math.log10(y) + 1e-9)
+    return f"{y:g}" if round(mantissa, 6) in (1.0, 2.0, 5.0) else ""
+
+
 def _log_axes(ax, xs, ylabel, title):
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     if xs:
         ax.set_xticks(sorted(xs))
         ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in sorted(xs)],
                            fontsize=8)
-        ax.minorticks_off() if hasattr(ax, "minorticks_off") else None
-        ax.set_yscale("log")
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(_tick_label))
+    ax.yaxis.set_minor_formatter(FuncFormatter(_tick_label))
+    ax.tick_params(axis="y", which="both", labelsize=8)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.4)
+    ax.grid(True, which="minor", alpha=0.15)
 
 
 def _time_ms(r):
@@ -287,9 +305,13 @@ def plot_family(result, family, path, metric):
             for j, c in enumerate(cols):
                 label = f"{'causal' if c else 'non-causal'}, {p}"
                 panels.append((axes[i][j], [label], label, (c, p)))
+    elif family == "layer_norm":  # a panel per pass, a line per implementation and residual or not
+        passes = [p for p in cases.PASSES if any(r["config"].get("pass") == p for r in records)]
+        fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4.5), squeeze=False)
+        panels = [(axes[0][j], [c for c in configs if c.endswith(", " + p)], p, None) for j, p in enumerate(passes)]
     else:
         fig, axes = plt.subplots(1, 1, figsize=(7.5, 5), squeeze=False)
-        panels = [(axes[0][0], configs, f"{family.replace('_', ' ')}", None)]
+        panels = [(axes[0][0], configs, configs[0] if len(configs) == 1 else "", None)]
     any_data = False
     for ax, panel_configs, title, attn_config in panels:
         xs = set()
@@ -301,7 +323,8 @@ def plot_family(result, family, path, metric):
                     continue
                 any_data = True
                 xs.update(x for x, _ in pts)
-                name = cases.label(family, impl) + ("" if len(panel_configs) == 1 else f" [{config}]")
+                extra = config.rsplit(", ", 1)[0] if family == "layer_norm" else config
+                name = cases.label(family, impl) + ("" if len(panel_configs) == 1 else f" [{extra}]")
                 ax.plot([x for x, _ in pts], [y for _, y in pts], styles[ci % len(styles)], marker="o",
                         markersize=4, color=COLORS.get(impl), label=name)
         if attn_config is not None and metric == "time":

@@ -158,6 +158,13 @@ def resolve(args):
     return device, dtype
 
 
+def _load_average():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _first_line(exc):
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -247,6 +254,7 @@ def main(argv=None):
 
     device, dtype = resolve(args)
     torch.manual_seed(args.seed)
+    load_start = _load_average()
     print(f"transformer_fast benchmark on {device} ({dtype}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", flush=True)
     backends = transformer_fast.available_backends()  # loads (or JIT-builds) the C++ extension now
@@ -262,6 +270,9 @@ def main(argv=None):
         print(f"  backend {name}: {'available' if reason is None else 'unavailable (' + reason + ')'}")
     print(f"  ours runs on the {selected['attention']!r} backend for {device.type} {dtype} tensors", flush=True)
 
+    if load_start and load_start[0] > (os.cpu_count() or 1):
+        print(f"  warning: the machine is busy (load average {load_start[0]:.1f} on {os.cpu_count()} CPUs); "
+              f"timings will be noisy", flush=True)
     ceilings = measure.measure_ceilings(device, dtype, quick=not args.full)
     print(f"  ceilings: {ceilings['matmul']['dtype']} matmul {ceilings['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s, "
           f"copy {ceilings['copy']['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
@@ -308,6 +319,7 @@ def main(argv=None):
         "environment": {k: os.environ.get(k) for k in (*_MALLOC_ENV, "OMP_NUM_THREADS", "TRANSFORMER_FAST_BACKEND",
                                                        "TRITON_INTERPRET")},
         "ceilings": ceilings,
+        "load_average": {"start": load_start, "end": _load_average()},
         "method": {"time": measure.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
                    "memory": measure.__doc__.split("\n\n")[2].replace("\n", " ").strip(),
                    "check": "every implementation runs once first and is compared with a float64 oracle on 12 "

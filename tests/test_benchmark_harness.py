@@ -17,10 +17,11 @@ from benchmarks import cases, report  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# One thread: on a busy 2-core machine, two OpenMP threads make every tiny op wait ~20 ms at a barrier.
 TINY = ["--device", "cpu", "--dtype", "float32", "--seq-lens", "16", "32", "--batch", "1", "--heads", "2",
         "--head-dim", "16", "--repeats", "2", "--min-repeats", "2", "--budget", "0", "--min-sample-ms", "0",
         "--train-seq-lens", "8", "--train-d-model", "16", "--train-heads", "2", "--train-layers", "1",
-        "--train-vocab", "11", "--no-progress"]
+        "--train-vocab", "11", "--no-progress", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
