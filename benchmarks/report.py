@@ -332,7 +332,7 @@ def plot_family(result, family, path, metric):
                 if (c["causal"], c["pass"]) == attn_config and c["softmax"] == "ours_softmax" and c["seq_len"] \
                         and c["kind"] == "measured":
                     ax.axvline(c["seq_len"], color="black", linestyle=":", linewidth=1)
-                    ax.annotate(f"crossover\nN~{c['seq_len']:,.0f}", (c["seq_len"], 0.05),
+                    ax.annotate(f" crossover\n N~{c['seq_len']:,.0f}", (c["seq_len"], 0.82),
                                 xycoords=("data", "axes fraction"), fontsize=8, ha="left")
         _log_axes(ax, xs, ylabel, title)
         if ax.get_legend_handles_labels()[0]:

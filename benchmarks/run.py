@@ -31,9 +31,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results")
 
 # Sequence lengths: (quick, full) per device type.
-SEQ_LENS = {"cpu": ([256, 512, 1024, 2048], [256, 512, 1024, 2048, 4096, 8192, 16384]),
+SEQ_LENS = {"cpu": ([128, 256, 512, 1024, 2048], [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
             "cuda": ([1024, 2048, 4096, 8192, 16384], [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])}
-TRAIN_SEQ_LENS = {"cpu": ([128, 512], [128, 256, 512, 1024, 2048]),
+TRAIN_SEQ_LENS = {"cpu": ([128, 256], [128, 256, 512, 1024, 2048]),
                   "cuda": ([512, 2048], [512, 1024, 2048, 4096, 8192])}
 
 
