@@ -102,22 +102,24 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
-    families, impls = set(), {f: [] for f in cases.FAMILIES}
+    # --only: a family name selects the family; an implementation name filters the implementations
+    # (and, when no family is named, selects the families that have it); family:impl does both.
+    named, scoped, by_impl, impls = set(), set(), set(), {f: [] for f in cases.FAMILIES}
     for token in args.only or []:
         family, _, impl = token.partition(":")
         if family in cases.IMPLS and not impl:
-            families.add(family)
+            named.add(family)
         elif family in cases.IMPLS and impl in cases.IMPLS[family]:
-            families.add(family)
+            scoped.add(family)
             impls[family].append(impl)
         elif not impl and any(token in f for f in cases.IMPLS.values()):
             for f, names in cases.IMPLS.items():
                 if token in names:
                     impls[f].append(token)
+                    by_impl.add(f)
         else:
             p.error(f"--only: unknown name {token!r}")
-    if not families:
-        families = {f for f in cases.FAMILIES if impls[f]} if any(impls.values()) else set(cases.FAMILIES)
+    families = named | scoped | (set() if named else by_impl) if args.only else set(cases.FAMILIES)
     args.families = [f for f in cases.FAMILIES if f in families]
     args.impls = {f: impls[f] or list(cases.IMPLS[f]) for f in cases.FAMILIES}
     for name in ("batch", "heads", "head_dim", "repeats", "min_repeats", "train_d_model", "train_heads",

@@ -191,3 +191,15 @@ def test_torch_linear_attention_baseline_matches_reference():
     for causal in (False, True):
         torch.testing.assert_close(cases.torch_linear_attention(q, k, v, causal).double(),
                                    reference.linear_attention(q, k, v, is_causal=causal), rtol=1e-5, atol=1e-6)
+
+
+def test_only_selects_families_and_implementations(capsys):
+    args = bench_run.parse_args(["--only", "attention", "ours_softmax"])
+    assert args.families == ["attention"] and args.impls["attention"] == ["ours_softmax"]
+    args = bench_run.parse_args(["--only", "ours_linear", "layer_norm:ours"])
+    assert args.families == ["attention", "layer_norm", "train_step"]
+    assert args.impls["layer_norm"] == ["ours"] and args.impls["attention"] == ["ours_linear"]
+    assert bench_run.parse_args([]).families == list(cases.FAMILIES)
+    with pytest.raises(SystemExit):
+        bench_run.parse_args(["--only", "nonsense"])
+    assert "unknown name 'nonsense'" in capsys.readouterr().err
