@@ -100,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--name", default=None, help="output file stem (default <device>-<date>)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 1 if an implementation fails its check or raises")
     args = p.parse_args(argv)
 
     # --only: a family name selects the family; an implementation name filters the implementations
@@ -339,7 +341,7 @@ def main(argv=None):
     print("wrote " + ", ".join(os.path.relpath(p) for p in paths))
     print(f"total wall time {time.time() - start:.0f} s")
     failed = [r for r in records if r["status"] in ("wrong", "error")]
-    return 130 if interrupted else (1 if failed and os.environ.get("TRANSFORMER_FAST_BENCH_STRICT") == "1" else 0)
+    return 130 if interrupted else (1 if failed and args.strict else 0)
 
 
 if __name__ == "__main__":
