@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=25, help="most timed repeats per implementation")
     p.add_argument("--min-repeats", type=int, default=5, help="fewest timed repeats (even over budget)")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of timed repeats per case (default 2 quick, 8 --full)")
+                   help="seconds of timed repeats per case (default 1.5 quick, 8 --full)")
     p.add_argument("--min-sample-ms", type=float, default=10.0,
                    help="CPU: a sample repeats a call until it lasts this long")
     p.add_argument("--max-call-seconds", type=float, default=None,
@@ -155,7 +155,7 @@ def resolve(args):
     args.batch = args.batch or (4 if kind == "cuda" else 1)
     args.heads = args.heads or (16 if kind == "cuda" else 8)
     args.ln_width = args.ln_width or args.heads * args.head_dim
-    args.budget = args.budget if args.budget is not None else (8.0 if args.full else 2.0)
+    args.budget = args.budget if args.budget is not None else (8.0 if args.full else 1.5)
     args.max_call_seconds = args.max_call_seconds or (60.0 if args.full else 3.0)
     if args.train_d_model % args.train_heads:
         raise SystemExit("benchmark: --train-d-model must be divisible by --train-heads")
