@@ -1,0 +1,349 @@
+"""The transformer_fast benchmark: one command, whatever the device.
+
+    python -m benchmarks.run                  # quick sweep on the GPU if there is one, else the CPU
+    python -m benchmarks.run --full           # long sweep (up to 16k tokens on CPU, 64k on GPU)
+    python -m benchmarks.run --only attention --seq-lens 512 1024 --causal yes
+
+For each sequence length it times naive reference attention, torch's SDPA, our softmax and
+linear attention and a plain PyTorch linear attention (causal and not, forward and
+forward+backward), LayerNorm (ours vs torch, with and without the fused residual) and one
+training step of an encoder-decoder (ours vs torch.nn.Transformer). Every implementation is
+checked against a float64 oracle before it is timed (a wrong one is reported, never timed).
+Results: a table on stdout and, in --out (default benchmarks/results/), <device>-<date>.json,
+<device>-<date>.md and PNG plots. See benchmarks/README.md for the method.
+
+On Linux the process re-executes itself with MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_=1 GiB
+(unless set already): glibc would otherwise serve every tensor >= 32 MiB from a fresh memory
+map, and the page faults of touching it would be timed instead of the kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results")
+
+# Sequence lengths: (quick, full) per device type.
+SEQ_LENS = {"cpu": ([128, 256, 512, 1024, 2048], [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
+            "cuda": ([1024, 2048, 4096, 8192, 16384], [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])}
+TRAIN_SEQ_LENS = {"cpu": ([128, 256], [128, 256, 512, 1024, 2048]),
+                  "cuda": ([512, 2048], [512, 1024, 2048, 4096, 8192])}
+
+
+def _reexec_with_malloc_settings():
+    """Re-runs this command with the malloc settings above (Linux/glibc only; once)."""
+    if not sys.platform.startswith("linux") or os.environ.get("TRANSFORMER_FAST_BENCH_NO_REEXEC") == "1":
+        return
+    missing = {k: v for k, v in _MALLOC_ENV.items() if k not in os.environ}
+    if not missing:
+        return
+    env = dict(os.environ, **missing, TRANSFORMER_FAST_BENCH_NO_REEXEC="1")
+    argv = list(getattr(sys, "orig_argv", [])) or [sys.executable, *sys.argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+    except OSError as exc:  # carry on without: the timings are then noisier, say so
+        print(f"benchmark: could not re-execute with {missing} ({exc}); large outputs may page-fault",
+              file=sys.stderr)
+
+
+def parse_args(argv=None):
+    from . import cases
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="sequence lengths (default: the quick set)")
+    p.add_argument("--full", action="store_true", help="the long sweep (up to 16k on CPU, 64k on CUDA)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 1 on CPU, 4 on CUDA)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 8 on CPU, 16 on CUDA)")
+    p.add_argument("--head-dim", type=int, default=64, help="attention head dim")
+    p.add_argument("--causal", nargs="?", const="yes", default="both", choices=["both", "yes", "no"],
+                   help="causal attention, non-causal, or both (--causal alone: causal only)")
+    p.add_argument("--passes", nargs="+", default=list(cases.PASSES), choices=list(cases.PASSES),
+                   help="forward only and/or forward+backward")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help=f"families ({', '.join(cases.FAMILIES)}), implementations "
+                        f"({', '.join(sorted({i for f in cases.IMPLS.values() for i in f}))}) or family:impl")
+    p.add_argument("--ln-width", type=int, default=None, help="LayerNorm width (default heads x head-dim)")
+    p.add_argument("--train-seq-lens", type=int, nargs="+", default=None, help="training-step lengths")
+    p.add_argument("--train-d-model", type=int, default=256, help="training step: model width")
+    p.add_argument("--train-heads", type=int, default=4, help="training step: heads")
+    p.add_argument("--train-layers", type=int, default=2, help="training step: encoder and decoder layers (each)")
+    p.add_argument("--train-vocab", type=int, default=1000, help="training step: vocabulary size")
+    p.add_argument("--repeats", type=int, default=25, help="most timed repeats per implementation")
+    p.add_argument("--min-repeats", type=int, default=5, help="fewest timed repeats (even over budget)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed repeats per case (default 1.5 quick, 8 --full)")
+    p.add_argument("--min-sample-ms", type=float, default=10.0,
+                   help="CPU: a sample repeats a call until it lasts this long")
+    p.add_argument("--max-call-seconds", type=float, default=None,
+                   help="skip an implementation at lengths where one call is predicted to take longer "
+                        "(default 3 quick, 60 --full)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="skip an implementation whose estimated peak exceeds this (default: half the "
+                        "available RAM on CPU, 90%% of free GPU memory)")
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    p.add_argument("--name", default=None, help="output file stem (default <device>-<date>)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 1 if an implementation fails its check or raises")
+    args = p.parse_args(argv)
+
+    # --only: a family name selects the family; an implementation name filters the implementations
+    # (and, when no family is named, selects the families that have it); family:impl does both.
+    named, scoped, by_impl, impls = set(), set(), set(), {f: [] for f in cases.FAMILIES}
+    for token in args.only or []:
+        family, _, impl = token.partition(":")
+        if family in cases.IMPLS and not impl:
+            named.add(family)
+        elif family in cases.IMPLS and impl in cases.IMPLS[family]:
+            scoped.add(family)
+            impls[family].append(impl)
+        elif not impl and any(token in f for f in cases.IMPLS.values()):
+            for f, names in cases.IMPLS.items():
+                if token in names:
+                    impls[f].append(token)
+                    by_impl.add(f)
+        else:
+            p.error(f"--only: unknown name {token!r}")
+    families = named | scoped | (set() if named else by_impl) if args.only else set(cases.FAMILIES)
+    args.families = [f for f in cases.FAMILIES if f in families]
+    args.impls = {f: impls[f] or list(cases.IMPLS[f]) for f in cases.FAMILIES}
+    for name in ("batch", "heads", "head_dim", "repeats", "min_repeats", "train_d_model", "train_heads",
+                 "train_layers", "train_vocab"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("seq_lens", "train_seq_lens"):
+        if getattr(args, name) is not None and min(getattr(args, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def resolve(args):
+    """Fills the device-dependent defaults; returns (device, dtype)."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmark: --device cuda but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"benchmark: unsupported device {device}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    pick = 1 if args.full else 0
+    args.seq_lens = sorted(set(args.seq_lens or SEQ_LENS[kind][pick]))
+    args.train_seq_lens = sorted(set(args.train_seq_lens or TRAIN_SEQ_LENS[kind][pick]))
+    args.batch = args.batch or (4 if kind == "cuda" else 1)
+    args.heads = args.heads or (16 if kind == "cuda" else 8)
+    args.ln_width = args.ln_width or args.heads * args.head_dim
+    args.budget = args.budget if args.budget is not None else (8.0 if args.full else 1.5)
+    args.max_call_seconds = args.max_call_seconds or (60.0 if args.full else 3.0)
+    if args.train_d_model % args.train_heads:
+        raise SystemExit("benchmark: --train-d-model must be divisible by --train-heads")
+    return device, dtype
+
+
+def _load_average():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _first_line(exc):
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def run_group(group, args, device, memory_limit, history):
+    """Checks, measures and times every implementation of one group; returns its records."""
+    import torch
+
+    from . import cases, measure
+
+    records, fns, first_call = {}, {}, {}
+    group.setup()
+    try:
+        for impl in group.impls:
+            rec = {"family": group.family, "impl": impl, "label": cases.label(group.family, impl),
+                   "baseline": cases.baseline(group.family, impl), "config": dict(group.config),
+                   "config_label": group.describe(), "seq_len": group.seq_len, "status": "ok", "note": "",
+                   "correct": None, "max_error": None, "error_bound": None, "time": None,
+                   "peak_memory_bytes": None, **group.work(impl)}
+            records[impl] = rec
+            estimate = group.memory_estimate(impl)
+            seen = history.get((group.family, group.describe(), impl))
+            if estimate > memory_limit:
+                rec.update(status="skipped", note=f"needs ~{estimate / 2**30:.1f} GiB > limit "
+                                                  f"{memory_limit / 2**30:.1f} GiB")
+                continue
+            if seen and seen[1] * (group.seq_len / seen[0]) ** group.growth(impl) > args.max_call_seconds:
+                predicted = seen[1] * (group.seq_len / seen[0]) ** group.growth(impl)
+                rec.update(status="skipped", note=f"too slow: ~{predicted:.0f} s per call predicted "
+                                                  f"> --max-call-seconds {args.max_call_seconds:g}")
+                continue
+            try:
+                ok, err, bound, note = group.check(impl)
+                rec.update(correct=bool(ok), max_error=err, error_bound=bound, check=note if ok else "")
+                if not ok:
+                    rec.update(status="wrong", note=f"failed the correctness check: {note}")
+                    continue
+                fn = group.function(impl)
+                if args.no_memory:
+                    first_call[impl] = measure.time_once(fn, device)
+                else:
+                    first_call[impl], rec["peak_memory_bytes"], _ = measure.run_measuring_memory(fn, device)
+                fns[impl] = fn
+            except cases.NotAvailable as exc:
+                rec.update(status="n/a", note=str(exc))
+            except Exception as exc:  # noqa: BLE001 - a failing kernel is reported, not fatal
+                rec.update(status="error", note=_first_line(exc))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if group.family == "train_step" and impl in fns:
+                rec["parameters"] = group.parameters(impl)
+        try:
+            times = measure.time_interleaved(fns, device, first_call_s=first_call, max_repeats=args.repeats,
+                                             min_repeats=args.min_repeats, budget_s=args.budget,
+                                             min_sample_s=args.min_sample_ms / 1e3)
+        except Exception as exc:  # noqa: BLE001 - e.g. a kernel that fails only on a later call
+            times = {}
+            for impl in fns:
+                records[impl].update(status="error", note=f"while timing: {_first_line(exc)}")
+        for impl, t in times.items():
+            rec = records[impl]
+            rec["time"] = t
+            seconds = t["median_ms"] / 1e3
+            rec["tokens_per_s"] = rec["tokens"] / seconds
+            rec["flops_per_s"] = rec["flops"] / seconds if rec.get("flops") else None
+            rec["bytes_per_s"] = rec["bytes"] / seconds if rec.get("bytes") else None
+            history[(group.family, group.describe(), impl)] = (group.seq_len, seconds)
+        for rec in records.values():
+            base = records.get(rec["baseline"]) if rec["baseline"] else None
+            if rec["time"] and base and base["time"]:
+                rec["speedup_vs_baseline"] = base["time"]["median_ms"] / rec["time"]["median_ms"]
+    finally:
+        fns.clear()
+        group.teardown()
+    return list(records.values())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.time()
+    import torch
+
+    import transformer_fast
+
+    from . import cases, measure, report
+
+    device, dtype = resolve(args)
+    torch.manual_seed(args.seed)
+    load_start = _load_average()
+    print(f"transformer_fast benchmark on {device} ({dtype}), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    backends = transformer_fast.available_backends()  # loads (or JIT-builds) the C++ extension now
+    selected = {}
+    for name in ("attention", "layer_norm", "linear_attention"):
+        try:
+            from transformer_fast import _dispatch
+
+            selected[name] = _dispatch.select_backend(device, dtype, "auto")
+        except Exception as exc:  # noqa: BLE001
+            selected[name] = _first_line(exc)
+    for name, reason in backends.items():
+        print(f"  backend {name}: {'available' if reason is None else 'unavailable (' + reason + ')'}")
+    print(f"  ours runs on the {selected['attention']!r} backend for {device.type} {dtype} tensors", flush=True)
+
+    if load_start and load_start[0] > (os.cpu_count() or 1):
+        print(f"  warning: the machine is busy (load average {load_start[0]:.1f} on {os.cpu_count()} CPUs); "
+              f"timings will be noisy", flush=True)
+    ceilings = measure.measure_ceilings(device, dtype, quick=not args.full)
+    print(f"  ceilings: {ceilings['matmul']['dtype']} matmul {ceilings['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s, "
+          f"copy {ceilings['copy']['bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    if args.max_memory_gb is not None:
+        memory_limit = args.max_memory_gb * 2**30
+    else:
+        memory_limit = measure.available_memory_bytes(device) * (0.9 if device.type == "cuda" else 0.5)
+
+    groups = cases.make_groups(args, device, dtype)
+    records, history, interrupted = [], {}, False
+    progress = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(groups), unit="case", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            progress = None
+    try:
+        for group in groups:
+            if progress is not None:
+                progress.set_description_str(group.key)
+            records.extend(run_group(group, args, device, memory_limit, history))
+            if progress is not None:
+                progress.update(1)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nbenchmark: interrupted, writing the results so far", file=sys.stderr)
+    finally:
+        if progress is not None:
+            progress.close()
+
+    result = {
+        "schema_version": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + list(getattr(sys, "orig_argv", sys.argv))[1:]),
+        "interrupted": interrupted,
+        "device": measure.device_info(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "versions": measure.versions(),
+        "backends": {"available": backends, "selected": selected},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("impls",)} | {"impls": args.impls,
+                                                                                   "memory_limit_bytes": memory_limit},
+        "environment": {k: os.environ.get(k) for k in (*_MALLOC_ENV, "OMP_NUM_THREADS", "TRANSFORMER_FAST_BACKEND",
+                                                       "TRITON_INTERPRET")},
+        "ceilings": ceilings,
+        "load_average": {"start": load_start, "end": _load_average()},
+        "method": {"time": measure.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
+                   "memory": measure.__doc__.split("\n\n")[2].replace("\n", " ").strip(),
+                   "check": "every implementation runs once first and is compared with a float64 oracle on 12 "
+                            "query rows (output, and gradients for a random upstream gradient on those rows); "
+                            "bound = 2 x the oracle's own error in the dtype + a floor of "
+                            "{fp32: 1e-4, fp16: 1e-2, bf16: 5e-2} x max(1, |oracle|). A failing one is not timed."},
+        "cases": records,
+    }
+    result["crossovers"] = report.crossovers(records)
+    result["wall_time_s"] = time.time() - start
+    stem = args.name or f"{result['device']['slug']}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
+    paths = report.write_all(result, args.out, stem, plots=not args.no_plots)
+    print()
+    print(report.console_text(result))
+    print("wrote " + ", ".join(os.path.relpath(p) for p in paths))
+    print(f"total wall time {time.time() - start:.0f} s")
+    failed = [r for r in records if r["status"] in ("wrong", "error")]
+    return 130 if interrupted else (1 if failed and args.strict else 0)
+
+
+if __name__ == "__main__":
+    _reexec_with_malloc_settings()
+    sys.exit(main())
