@@ -104,12 +104,12 @@ def exact_sequence_accuracy(model, src, target, batch_size=250):
 # ------------------------------------------------------------------------------------------------
 # Training
 # ------------------------------------------------------------------------------------------------
-def build_model(args, layers=None):
+def build_model(args):
     return Seq2SeqTransformer(
         FIRST_TOKEN + args.symbols, pad_id=PAD, d_model=args.d_model, nhead=args.nhead,
         num_encoder_layers=args.encoder_layers, num_decoder_layers=args.decoder_layers,
         dim_feedforward=args.dim_feedforward, dropout=args.dropout, norm_first=args.norm_first,
-        attention=args.attention, max_len=args.max_len + 2, layers=layers)
+        attention=args.attention, max_len=args.max_len + 2)
 
 
 def learning_rate(step, args):
@@ -141,13 +141,13 @@ def save_loss_curve(losses, path, title):
     plt.close(fig)
 
 
-def train(args, rank=0, world_size=1, layers=None):
+def train(args, rank=0, world_size=1):
     """Trains (one process of) the run; returns the result dict on rank 0 (None elsewhere)."""
     distributed = world_size > 1
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
-    model = build_model(args, layers)
+    model = build_model(args)
     step_model = model
     if distributed:
         step_model = torch.nn.parallel.DistributedDataParallel(model)
@@ -227,7 +227,7 @@ def _spawned_worker(rank, args, world_size, port):
         dist.destroy_process_group()
 
 
-def main(argv=None, layers=None):
+def main(argv=None):
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun
         dist.init_process_group("gloo")
@@ -238,7 +238,7 @@ def main(argv=None, layers=None):
     if args.ddp > 1:
         mp.spawn(_spawned_worker, args=(args, args.ddp, _free_port()), nprocs=args.ddp, join=True)
         return None
-    return train(args, layers=layers)
+    return train(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_seq2seq.py")
 sys.path.insert(0, os.path.dirname(EXAMPLE))
 
 import train_seq2seq  # noqa: E402
-from test_models import _layers  # noqa: E402  (a linear-attention stand-in until transformer_fast.modules lands)
 
 TINY = ["--steps", "4", "--batch-size", "8", "--d-model", "16", "--nhead", "2", "--encoder-layers", "1",
         "--decoder-layers", "1", "--dim-feedforward", "24", "--eval-size", "20", "--max-len", "6",
@@ -45,7 +44,7 @@ def _check_outputs(out_dir, attention, result, steps=4):
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_example_runs(attention, tmp_path, capsys):
-    result = train_seq2seq.main(TINY + ["--attention", attention, "--out", str(tmp_path)], layers=_layers(attention))
+    result = train_seq2seq.main(TINY + ["--attention", attention, "--out", str(tmp_path)])
     _check_outputs(tmp_path, attention, result)
     assert "held-out exact-sequence accuracy" in capsys.readouterr().out
 
@@ -57,7 +56,7 @@ def test_example_runs_compiled(attention, backend, tmp_path):
     kernels included) in seconds; inductor also generates code (minutes on 2 cores: slow)."""
     torch._dynamo.reset()
     result = train_seq2seq.main(TINY + ["--attention", attention, "--compile", "--compile-backend", backend,
-                                        "--out", str(tmp_path)], layers=_layers(attention))
+                                        "--out", str(tmp_path)])
     assert result["compiled"]
     _check_outputs(tmp_path, attention, result)
 
@@ -77,6 +76,5 @@ def test_example_runs_under_ddp(tmp_path):
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_example_learns_reversal(attention, tmp_path):
     """The full default run: >= 95% held-out exact-sequence accuracy."""
-    result = train_seq2seq.main(["--attention", attention, "--no-progress", "--out", str(tmp_path)],
-                                layers=_layers(attention))
+    result = train_seq2seq.main(["--attention", attention, "--no-progress", "--out", str(tmp_path)])
     assert result["held_out_exact_sequence_accuracy"] >= 0.95
