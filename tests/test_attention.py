@@ -97,14 +97,13 @@ def test_custom_scale_and_non_contiguous_mask(backend):
     check_attention(backend, q, k, v, attn_mask=mask, scale=0.37)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# Not the reference backend: it materialises P @ V, so 0 * NaN leaks there by design.
+@pytest.mark.parametrize("backend", ["cpp"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_garbage_in_masked_keys_does_not_leak(backend, is_causal):
     """NaN/inf stored in padded keys and values (and in keys right of the causal diagonal, when
     every query is left of them) must not reach the output or the gradients."""
     _need(backend)
-    if backend == "reference":
-        pytest.skip("the reference materialises P @ V, so 0 * NaN leaks there by design")
     B, H, Nq, Nk, D = 3, 2, 40, 150, 64
     q, k, v = make_qkv(B, H, Nq, Nk, D)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
