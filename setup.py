@@ -81,7 +81,7 @@ setup(
     install_requires=["torch>=2.4,<2.15", "numpy"],
     extras_require={
         "triton": ["triton>=3.2"],
-        "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja", "transformers>=5"],
+        "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja", "transformers>=5", "matplotlib", "tqdm"],
         "bench": ["matplotlib", "tqdm", "pytest-benchmark", "ninja"],
     },
     ext_modules=ext_modules,
