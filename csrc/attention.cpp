@@ -63,6 +63,32 @@ const Blas& blas() {
   return instance;
 }
 
+// Tells MKL, for the lifetime of the guard, that the calling thread runs its products alone.
+// Inside at::parallel_for, MKL otherwise plans for the process's thread count and takes its
+// copy-based sgemm path (packs both operands on every call); told 1 thread, it uses its
+// no-copy kernels on these tile sizes.
+using mkl_set_num_threads_local_fn = int (*)(int);
+
+struct SerialBlasGuard {
+  mkl_set_num_threads_local_fn set_local = nullptr;
+  int previous = 0;
+  SerialBlasGuard() {
+    static const mkl_set_num_threads_local_fn fn =
+        std::getenv("TRANSFORMER_FAST_ATTENTION_ATEN_GEMM") == nullptr
+            ? reinterpret_cast<mkl_set_num_threads_local_fn>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"))
+            : nullptr;
+    if (fn != nullptr) {
+      set_local = fn;
+      previous = fn(1);
+    }
+  }
+  ~SerialBlasGuard() {
+    if (set_local != nullptr) set_local(previous);  // 0 = back to the global setting
+  }
+  SerialBlasGuard(const SerialBlasGuard&) = delete;
+  SerialBlasGuard& operator=(const SerialBlasGuard&) = delete;
+};
+
 // A row-major (rows x cols) matrix with leading dimension ld, optionally used transposed.
 template <typename T>
 at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
@@ -156,6 +182,18 @@ inline float exp_shift_sum(float* x, int64_t n, float shift) {
     sum += x[c];
   }
   return sum;
+}
+
+// dp <- p * (dp - delta), and exactly 0 where p == 0 (masked keys: dp may hold garbage there).
+inline void ds_from_dp(const float* s, float* dp, int64_t n, float delta) {
+  int64_t c = 0;
+  const Vec vdelta(delta), zero(0.f);
+  for (; c + Vec::size() <= n; c += Vec::size()) {
+    const Vec pv = Vec::loadu(s + c);
+    const Vec ds = pv * (Vec::loadu(dp + c) - vdelta);
+    Vec::blendv(ds, zero, pv == zero).store(dp + c);
+  }
+  for (; c < n; ++c) dp[c] = s[c] == 0.f ? 0.f : s[c] * (dp[c] - delta);
 }
 
 inline void scale_row(float* x, int64_t n, float s) {
@@ -407,6 +445,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
 
   at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
+    const SerialBlasGuard serial_blas;
     std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
     std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), v_scratch(BN * Dv);
     for (int64_t task = begin; task < end; ++task) {
@@ -533,6 +572,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   scalar_t* dv_data = dv.data_ptr<scalar_t>();
 
   at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
+    const SerialBlasGuard serial_blas;
     std::vector<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
     std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), dS_lowp(kLowp ? BM * BN : 0), k_scratch(BN * D);
     for (int64_t task = begin; task < end; ++task) {
@@ -584,7 +624,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
               }
               const float dl = delta_t[r];
-              for (int64_t c = 0; c < bn; ++c) dp[c] = s[c] == 0.f ? 0.f : s[c] * (dp[c] - dl);  // dP -> dS
+              ds_from_dp(s, dp, bn, dl);  // dP -> dS
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
