@@ -12,13 +12,12 @@
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
+#include "cpu_blas.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,119 +30,14 @@
 namespace transformer_fast {
 namespace {
 
+using cpu_blas::gemm;
+
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Key-block status under the key padding mask.
 enum : uint8_t { kNoPadding = 0, kSomePadding = 1, kAllPadding = 2 };
-
-// ---- tile products. ATen's cpublas::gemm is not exported to extensions, so the BLAS that
-// libtorch_cpu ships and exports (MKL on x86-64 wheels: sgemm_, cblas_gemm_bf16bf16f32, which is
-// what cpublas::gemm calls inside PyTorch) is looked up at load time; where a symbol is missing
-// the product goes through at::addmm_ on tensor views instead (slower: per-call overhead).
-using sgemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                          const int*, const float*, const int*, const float*, float*, const int*);
-using bf16_gemm_fn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
-                              float*, int);
-
-struct Blas {
-  sgemm_fn sgemm = nullptr;
-  bf16_gemm_fn gemm_bf16bf16f32 = nullptr;
-  Blas() {
-    if (std::getenv("TRANSFORMER_FAST_ATTENTION_ATEN_GEMM") == nullptr) {  // debugging: force the fallback
-      sgemm = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "sgemm_"));
-      gemm_bf16bf16f32 = reinterpret_cast<bf16_gemm_fn>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
-    }
-  }
-};
-
-const Blas& blas() {
-  static const Blas instance;
-  return instance;
-}
-
-// Tells MKL, for the lifetime of the guard, that the calling thread runs its products alone.
-// Inside at::parallel_for, MKL otherwise plans for the process's thread count and takes its
-// copy-based sgemm path (packs both operands on every call); told 1 thread, it uses its
-// no-copy kernels on these tile sizes.
-using mkl_set_num_threads_local_fn = int (*)(int);
-
-struct SerialBlasGuard {
-  mkl_set_num_threads_local_fn set_local = nullptr;
-  int previous = 0;
-  SerialBlasGuard() {
-    static const mkl_set_num_threads_local_fn fn =
-        std::getenv("TRANSFORMER_FAST_ATTENTION_ATEN_GEMM") == nullptr
-            ? reinterpret_cast<mkl_set_num_threads_local_fn>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"))
-            : nullptr;
-    if (fn != nullptr) {
-      set_local = fn;
-      previous = fn(1);
-    }
-  }
-  ~SerialBlasGuard() {
-    if (set_local != nullptr) set_local(previous);  // 0 = back to the global setting
-  }
-  SerialBlasGuard(const SerialBlasGuard&) = delete;
-  SerialBlasGuard& operator=(const SerialBlasGuard&) = delete;
-};
-
-// A row-major (rows x cols) matrix with leading dimension ld, optionally used transposed.
-template <typename T>
-at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-  at::Tensor t = at::from_blob(const_cast<T*>(data), {trans ? cols : rows, trans ? rows : cols}, {ld, 1},
-                               at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-  return trans ? t.t() : t;
-}
-
-// Row-major C (M x N, fp32) = alpha * op(A) op(B) + beta * C; beta = 0 ignores C's contents.
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const T* A, int64_t lda,
-          const T* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {
-    for (int64_t r = 0; r < M; ++r) {
-      for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == 0.f ? 0.f : beta * C[r * ldc + c];
-    }
-    return;
-  }
-  // The stride of a matrix stored as a single row is arbitrary; BLAS wants ld >= the row length.
-  if ((trans_a ? K : M) == 1) lda = trans_a ? M : K;
-  if ((trans_b ? N : K) == 1) ldb = trans_b ? K : N;
-  if (M == 1) ldc = N;
-  const Blas& lib = blas();
-  if constexpr (std::is_same_v<T, float>) {
-    if (lib.sgemm != nullptr) {
-      // column-major: C^T (N x M) = op(B)^T op(A)^T
-      const int m = N, n = M, k = K, ia = ldb, ib = lda, ic = ldc;
-      const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-      lib.sgemm(&ta, &tb, &m, &n, &k, &alpha, B, &ia, A, &ib, &beta, C, &ic);
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (lib.gemm_bf16bf16f32 != nullptr) {
-      constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-      lib.gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, M, N, K, alpha,
-                           reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B), ldb,
-                           beta, C, ldc);
-      return;
-    }
-  }
-  at::Tensor a = as_matrix(A, M, K, lda, trans_a), b = as_matrix(B, K, N, ldb, trans_b);
-  at::Tensor c = as_matrix(C, M, N, ldc, false);
-  if constexpr (std::is_same_v<T, float>) {
-    c.addmm_(a, b, beta, alpha);
-  } else {
-    at::Tensor prod = at::mm(a.to(at::kFloat), b.to(at::kFloat));
-    if (beta == 0.f) {
-      c.copy_(prod).mul_(alpha);
-    } else {
-      c.mul_(beta).add_(prod, alpha);
-    }
-  }
-}
 
 template <typename T>
 inline void convert_row(const float* src, T* dst, int64_t n) {
@@ -445,7 +339,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
 
   at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
-    const SerialBlasGuard serial_blas;
+    const cpu_blas::SerialGuard serial_blas;
     std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
     std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), v_scratch(BN * Dv);
     for (int64_t task = begin; task < end; ++task) {
@@ -572,7 +466,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   scalar_t* dv_data = dv.data_ptr<scalar_t>();
 
   at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
-    const SerialBlasGuard serial_blas;
+    const cpu_blas::SerialGuard serial_blas;
     std::vector<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
     std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), dS_lowp(kLowp ? BM * BN : 0), k_scratch(BN * D);
     for (int64_t task = begin; task < end; ++task) {

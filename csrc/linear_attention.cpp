@@ -20,6 +20,7 @@
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
+#include "cpu_blas.h"
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
@@ -38,64 +39,11 @@ namespace {
 constexpr int64_t kCausalChunk = 64;   // tokens per chunk of the causal form (16..128 time alike)
 constexpr int64_t kChunk = 256;        // rows per block of the non-causal form (only bounds buffers)
 
-// The Fortran BLAS that libtorch_cpu links and exports (MKL on x86-64 wheels) and that ATen's
-// cpublas::gemm calls; cpublas::gemm itself is not exported to extensions. Declared weak so the
-// extension still loads against a torch without them, using at::mm instead.
-#if defined(__GNUC__)
-#define TF_WEAK __attribute__((weak))
-#else
-#define TF_WEAK
-#endif
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc) TF_WEAK;
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc) TF_WEAK;
-}
-
-template <typename acc_t>
-void blas_gemm(char ta, char tb, int m, int n, int k, const acc_t* a, int lda, const acc_t* b, int ldb, acc_t beta,
-               acc_t* c, int ldc, bool* done) {
-  const acc_t one = 1;
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (&sgemm_ != nullptr) {
-      sgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
-      *done = true;
-    }
-  } else {
-    if (&dgemm_ != nullptr) {
-      dgemm_(&ta, &tb, &m, &n, &k, &one, a, &lda, b, &ldb, &beta, c, &ldc);
-      *done = true;
-    }
-  }
-}
-
-// Row-major c (m x n, row stride ldc) = op(a) op(b) + beta * c, where op(a) is m x k and op(b) k x n;
-// a transposed operand is stored as its (k x m) / (n x k) transpose. BLAS is column-major, so this
-// computes c^T = op(b)^T op(a)^T. beta = 0 never reads c.
+// Row-major c (m x n, row stride ldc) = op(a) op(b) + beta * c (see cpu_blas::gemm).
 template <typename acc_t>
 void matmul(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t lda,
             const acc_t* b, int64_t ldb, acc_t beta, acc_t* c, int64_t ldc) {
-  bool done = false;
-  blas_gemm<acc_t>(trans_b ? 'T' : 'N', trans_a ? 'T' : 'N', static_cast<int>(n), static_cast<int>(m),
-                   static_cast<int>(k), b, static_cast<int>(ldb), a, static_cast<int>(lda), beta, c,
-                   static_cast<int>(ldc), &done);
-  if (done) return;
-  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  auto view = [&](const acc_t* p, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
-    at::Tensor t = at::from_blob(const_cast<acc_t*>(p), {rows, cols}, {ld, 1}, options);
-    return transposed ? t.t() : t;
-  };
-  at::Tensor out = view(c, m, n, ldc, false);
-  const at::Tensor product = at::mm(trans_a ? view(a, k, m, lda, true) : view(a, m, k, lda, false),
-                                    trans_b ? view(b, n, k, ldb, true) : view(b, k, n, ldb, false));
-  if (beta == acc_t(0)) {
-    out.copy_(product);
-  } else {
-    out.mul_(beta).add_(product);
-  }
+  cpu_blas::gemm<acc_t>(trans_a, trans_b, m, n, k, acc_t(1), a, lda, b, ldb, beta, c, ldc);
 }
 
 // x <- phi(x) = elu(x) + 1 = (x > 0 ? x + 1 : exp(x)).

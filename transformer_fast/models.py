@@ -25,6 +25,7 @@ from torch import nn
 from .attention import scaled_dot_product_attention
 from .layer_norm import LayerNorm
 from .linear_attention import LinearAttentionState, linear_attention_step
+from .reference import elu_feature_map
 from .modules import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["PositionalEncoding", "Seq2SeqTransformer", "DecoderCache", "LayerCache"]
@@ -89,10 +90,6 @@ def _in_projection(attn: nn.Module):
     if attn.in_proj_bias is None:
         return (w_q, w_k, w_v), (None, None, None)
     return (w_q, w_k, w_v), tuple(attn.in_proj_bias.chunk(3))
-
-
-def _phi(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x) + 1
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -205,7 +202,7 @@ class Seq2SeqTransformer(nn.Module):
             if self.attention == "softmax":
                 cache.layers.append(LayerCache(cross_k=k, cross_v=v))
             else:
-                phi_k = _phi(k.float())
+                phi_k = elu_feature_map(k.float())
                 if memory_key_padding_mask is not None:
                     phi_k = phi_k.masked_fill(memory_key_padding_mask[:, None, :, None], 0.0)
                 S = torch.einsum("bhsd,bhse->bhde", phi_k, v.float())
@@ -237,7 +234,7 @@ class Seq2SeqTransformer(nn.Module):
                                                key_padding_mask=memory_key_padding_mask)
         else:
             S, z = layer_cache.cross_state
-            phi_q = _phi(q.float())
+            phi_q = elu_feature_map(q.float())
             out = (phi_q @ S) / ((phi_q @ z[..., None]) + LINEAR_ATTENTION_EPS)
             out = out.to(q.dtype)
         return attn.out_proj(out.transpose(1, 2).reshape(x.shape))

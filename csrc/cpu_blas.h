@@ -1,0 +1,128 @@
+// Tile products on the CPU, shared by the kernel families.
+//
+// ATen's cpublas::gemm is not exported to extensions, so the BLAS that libtorch_cpu ships and
+// exports (MKL on x86-64 wheels: sgemm_, dgemm_, cblas_gemm_bf16bf16f32, which is what
+// cpublas::gemm calls inside PyTorch) is looked up at load time; where a symbol is missing the
+// product goes through at::addmm_ on tensor views instead (slower: per-call overhead).
+// TRANSFORMER_FAST_ATEN_GEMM=1 forces that fallback (for debugging).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+
+namespace transformer_fast {
+namespace cpu_blas {
+
+template <typename T>
+using fortran_gemm_fn = void (*)(const char*, const char*, const int*, const int*, const int*, const T*, const T*,
+                                 const int*, const T*, const int*, const T*, T*, const int*);
+using bf16_gemm_fn = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                              float*, int);
+using mkl_set_num_threads_local_fn = int (*)(int);
+
+struct Library {
+  fortran_gemm_fn<float> sgemm = nullptr;
+  fortran_gemm_fn<double> dgemm = nullptr;
+  bf16_gemm_fn gemm_bf16bf16f32 = nullptr;
+  mkl_set_num_threads_local_fn mkl_set_num_threads_local = nullptr;
+  Library() {
+    if (std::getenv("TRANSFORMER_FAST_ATEN_GEMM") != nullptr) return;
+    sgemm = reinterpret_cast<fortran_gemm_fn<float>>(dlsym(RTLD_DEFAULT, "sgemm_"));
+    dgemm = reinterpret_cast<fortran_gemm_fn<double>>(dlsym(RTLD_DEFAULT, "dgemm_"));
+    gemm_bf16bf16f32 = reinterpret_cast<bf16_gemm_fn>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
+    mkl_set_num_threads_local =
+        reinterpret_cast<mkl_set_num_threads_local_fn>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+  }
+};
+
+inline const Library& library() {
+  static const Library instance;
+  return instance;
+}
+
+// Tells MKL, for the lifetime of the guard, that the calling thread runs its products alone.
+// Inside at::parallel_for, MKL otherwise plans for the process's thread count and takes its
+// copy-based sgemm path (packs both operands on every call); told 1 thread, it uses its
+// no-copy kernels on tile sizes.
+struct SerialGuard {
+  mkl_set_num_threads_local_fn set_local = library().mkl_set_num_threads_local;
+  int previous = set_local != nullptr ? set_local(1) : 0;
+  SerialGuard() = default;
+  ~SerialGuard() {
+    if (set_local != nullptr) set_local(previous);  // 0 = back to the global setting
+  }
+  SerialGuard(const SerialGuard&) = delete;
+  SerialGuard& operator=(const SerialGuard&) = delete;
+};
+
+// A row-major (rows x cols) matrix with leading dimension ld, optionally used transposed.
+template <typename T>
+at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  at::Tensor t = at::from_blob(const_cast<T*>(data), {trans ? cols : rows, trans ? rows : cols}, {ld, 1},
+                               at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+  return trans ? t.t() : t;
+}
+
+// Row-major C (M x N) = alpha * op(A) op(B) + beta * C, where op(A) is M x K and op(B) is K x N
+// (a transposed operand is stored as its transpose); beta = 0 ignores C's contents. C is float
+// for float/bf16/fp16 operands, double for double ones.
+template <typename T>
+using accumulate_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulate_t<T> alpha, const T* A,
+          int64_t lda, const T* B, int64_t ldb, accumulate_t<T> beta, accumulate_t<T>* C, int64_t ldc) {
+  using acc_t = accumulate_t<T>;
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == acc_t(0) ? acc_t(0) : beta * C[r * ldc + c];
+    }
+    return;
+  }
+  // The stride of a matrix stored as a single row is arbitrary; BLAS wants ld >= the row length.
+  if ((trans_a ? K : M) == 1) lda = trans_a ? M : K;
+  if ((trans_b ? N : K) == 1) ldb = trans_b ? K : N;
+  if (M == 1) ldc = N;
+  const Library& lib = library();
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    const fortran_gemm_fn<T> fn = std::is_same_v<T, float> ? reinterpret_cast<fortran_gemm_fn<T>>(lib.sgemm)
+                                                           : reinterpret_cast<fortran_gemm_fn<T>>(lib.dgemm);
+    if (fn != nullptr) {
+      // column-major: C^T (N x M) = op(B)^T op(A)^T
+      const int m = N, n = M, k = K, ia = ldb, ib = lda, ic = ldc;
+      const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+      fn(&ta, &tb, &m, &n, &k, &alpha, B, &ia, A, &ib, &beta, C, &ic);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (lib.gemm_bf16bf16f32 != nullptr) {
+      constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+      lib.gemm_bf16bf16f32(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, M, N, K, alpha,
+                           reinterpret_cast<const uint16_t*>(A), lda, reinterpret_cast<const uint16_t*>(B), ldb,
+                           beta, C, ldc);
+      return;
+    }
+  }
+  at::Tensor a = as_matrix(A, M, K, lda, trans_a), b = as_matrix(B, K, N, ldb, trans_b);
+  at::Tensor c = as_matrix(C, M, N, ldc, false);
+  if constexpr (std::is_same_v<T, acc_t>) {
+    c.addmm_(a, b, beta, alpha);
+  } else {
+    at::Tensor prod = at::mm(a.to(c.scalar_type()), b.to(c.scalar_type()));
+    if (beta == acc_t(0)) {
+      c.copy_(prod).mul_(alpha);
+    } else {
+      c.mul_(beta).add_(prod, alpha);
+    }
+  }
+}
+
+}  // namespace cpu_blas
+}  // namespace transformer_fast
