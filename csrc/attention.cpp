@@ -49,31 +49,50 @@ inline void convert_row(const float* src, T* dst, int64_t n) {
 }
 
 inline float row_max(const float* x, int64_t n) {
+  // Four independent maxima: one chain of dependent vector max ops is latency-bound.
+  constexpr int64_t kStep = 4 * Vec::size();
+  auto vmax = [](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); };
   int64_t c = 0;
   float m = kNegInf;
-  if (n >= Vec::size()) {
-    Vec acc(kNegInf);
-    for (; c + Vec::size() <= n; c += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + c));
-    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+  if (n >= kStep) {
+    Vec m0(kNegInf), m1(kNegInf), m2(kNegInf), m3(kNegInf);
+    for (; c + kStep <= n; c += kStep) {
+      m0 = vmax(m0, Vec::loadu(x + c));
+      m1 = vmax(m1, Vec::loadu(x + c + Vec::size()));
+      m2 = vmax(m2, Vec::loadu(x + c + 2 * Vec::size()));
+      m3 = vmax(m3, Vec::loadu(x + c + 3 * Vec::size()));
+    }
+    Vec all = vmax(vmax(m0, m1), vmax(m2, m3));
+    m = at::vec::vec_reduce_all<float>([&](Vec& a, Vec& b) { return vmax(a, b); }, all);
   }
   for (; c < n; ++c) m = std::max(m, x[c]);
   return m;
 }
 
-// x <- exp(x - shift) in place; returns the sum.
-inline float exp_shift_sum(float* x, int64_t n, float shift) {
+// out <- exp(x * mult - shift) (out may be x, or a bf16/fp16 row); returns the sum of the fp32
+// values. mult folds the softmax scale into the exponent where the tile product left it out.
+template <typename T>
+inline float exp_shift_sum(const float* x, int64_t n, float mult, float shift, T* out) {
+  constexpr int64_t kStep = 2 * Vec::size();  // a bf16/fp16 vector holds two float vectors
   int64_t c = 0;
   Vec acc(0.f);
-  const Vec vshift(shift);
-  for (; c + Vec::size() <= n; c += Vec::size()) {
-    Vec e = (Vec::loadu(x + c) - vshift).exp_u20();
-    e.store(x + c);
-    acc = acc + e;
+  const Vec vmult(mult), vshift(shift);
+  for (; c + kStep <= n; c += kStep) {
+    const Vec e0 = at::vec::fmsub(Vec::loadu(x + c), vmult, vshift).exp_u20();
+    const Vec e1 = at::vec::fmsub(Vec::loadu(x + c + Vec::size()), vmult, vshift).exp_u20();
+    if constexpr (std::is_same_v<T, float>) {
+      e0.store(out + c);
+      e1.store(out + c + Vec::size());
+    } else {
+      at::vec::convert_from_float<T>(e0, e1).store(out + c);
+    }
+    acc = acc + e0 + e1;
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
   for (; c < n; ++c) {
-    x[c] = std::exp(x[c] - shift);
-    sum += x[c];
+    const float e = std::exp(x[c] * mult - shift);
+    out[c] = static_cast<T>(e);
+    sum += e;
   }
   return sum;
 }
@@ -314,6 +333,57 @@ Blocks backward_blocks(const Problem& p) {
   return {std::min<int64_t>(128, p.Nq), std::min<int64_t>(128, p.Nk)};
 }
 
+// bf16 key and value blocks packed once for the packed tile products (cpu_blas.h), per (batch,
+// key head, key block): K^T (D x bn) and V (bn x Dv, bn rounded up to even with a zero row).
+// Garbage in masked keys is harmless in K^T (the masks overwrite those scores), but not in V:
+// tiles that leave keys unused take the unpacked product over the used keys instead.
+template <typename scalar_t>
+struct PackedKV {
+  at::Tensor storage;
+  int64_t n_blocks = 0, k_size = 0, v_size = 0;
+  scalar_t* k(int64_t bhk, int64_t n) const {
+    return storage.data_ptr<scalar_t>() + (bhk * n_blocks + n) * (k_size + v_size);
+  }
+  scalar_t* v(int64_t bhk, int64_t n) const { return k(bhk, n) + k_size; }
+};
+
+inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
+
+template <typename scalar_t>
+PackedKV<scalar_t> pack_kv(const Problem& p, const at::Tensor& k, const at::Tensor& v, int64_t BN) {
+  PackedKV<scalar_t> packed;
+  packed.n_blocks = (p.Nk + BN - 1) / BN;
+  packed.k_size = cpu_blas::packed_size(p.D, BN);
+  packed.v_size = cpu_blas::packed_size(round_up_even(BN), p.Dv);
+  packed.storage = at::empty({p.B * p.Hk * packed.n_blocks * (packed.k_size + packed.v_size)}, k.options());
+  const scalar_t* k_data = k.data_ptr<scalar_t>();
+  const scalar_t* v_data = v.data_ptr<scalar_t>();
+  const int64_t D = p.D, Dv = p.Dv;
+  at::parallel_for(0, p.B * p.Hk * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> kt(D * BN), v_even(round_up_even(BN) * Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bhk = task / packed.n_blocks, n = task % packed.n_blocks;
+      const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
+      const int64_t j0 = n * BN, bn = std::min(BN, p.Nk - j0);
+      const scalar_t* kb = k_data + b * k.stride(0) + hk * k.stride(1) + j0 * k.stride(2);
+      const scalar_t* vb = v_data + b * v.stride(0) + hk * v.stride(1) + j0 * v.stride(2);
+      scalar_t* k_dst = packed.k(bhk, n);
+      scalar_t* v_dst = packed.v(bhk, n);
+      at::from_blob(kt.data(), {D, bn}, k.options()).copy_(at::from_blob(const_cast<scalar_t*>(kb), {bn, D},
+                                                                         {k.stride(2), 1}, k.options()).t());
+      cpu_blas::pack_b(kt.data(), bn, D, bn, k_dst);
+      if (bn % 2 == 0) {
+        cpu_blas::pack_b(vb, v.stride(2), bn, Dv, v_dst);
+      } else {
+        for (int64_t c = 0; c < bn; ++c) std::memcpy(v_even.data() + c * Dv, vb + c * v.stride(2), Dv * sizeof(scalar_t));
+        std::fill(v_even.data() + bn * Dv, v_even.data() + (bn + 1) * Dv, scalar_t(0));
+        cpu_blas::pack_b(v_even.data(), Dv, bn + 1, Dv, v_dst);
+      }
+    }
+  });
+  return packed;
+}
+
 // -------------------------------------------------------------------------------------------
 // Forward
 // -------------------------------------------------------------------------------------------
@@ -337,11 +407,19 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
   const int64_t D = p.D, Dv = p.Dv;
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
+  // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
+  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0;
+  const PackedKV<scalar_t> packed_kv = packed ? pack_kv<scalar_t>(p, k, v, BN) : PackedKV<scalar_t>();
+  const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
+  // max(s) * scale is the max of the scaled row only for scale > 0.
+  const bool fold_scale = p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool);
 
   at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
     const cpu_blas::SerialGuard serial_blas;
+    const cpu_blas::PackedProductsGuard packed_products(packed);
     std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
-    std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), v_scratch(BN * Dv);
+    std::vector<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
+    std::vector<scalar_t> v_packed(packed ? packed_kv.v_size : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
       const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
@@ -357,15 +435,32 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         const uint8_t status = pad_status[b * n_nblocks + n];
         if (status == kAllPadding) continue;
         const int64_t bn = std::min(BN, p.Nk - j0);
-        gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+        // S = scale * Q K^T. The packed product has no alpha: the scale is applied in the
+        // exponent (s_scale) unless a float mask must be added to scaled scores first.
+        float s_scale = 1.f;
+        if (packed) {
+          cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kv.k(b * p.Hk + hk, n), false, S.data(), BN);
+          if (fold_scale) {
+            s_scale = p.scale;
+          } else {
+            for (int64_t r = 0; r < bm; ++r) scale_row(S.data() + r * BN, bn, p.scale);
+          }
+        } else {
+          gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+        }
         const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
+        // Unmasked tiles without dropout write P straight into the product's operand.
+        const bool direct = kLowp && !masked && !p.dropout.active();
         for (int64_t r = 0; r < bm; ++r) {
           float* s = S.data() + r * BN;
-          const float m_new = std::max(m[r], row_max(s, bn));
+          scalar_t* p_row = kLowp ? P_lowp.data() + r * ldP : nullptr;
+          const float m_new = std::max(m[r], row_max(s, bn) * s_scale);
           const float shift = m_new == kNegInf ? 0.f : m_new;  // all masked so far: exp(-inf) = 0
           const float alpha = std::exp(m[r] - shift);
-          l[r] = l[r] * alpha + exp_shift_sum(s, bn, shift);
+          const float row_sum = direct ? exp_shift_sum(s, bn, s_scale, shift, p_row)
+                                       : exp_shift_sum(s, bn, s_scale, shift, s);
+          l[r] = l[r] * alpha + row_sum;
           m[r] = m_new;
           if (alpha != 1.f) scale_row(acc.data() + r * Dv, Dv, alpha);
           if (p.dropout.active()) {
@@ -375,15 +470,37 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           if (masked) {
             for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
           }
-          if constexpr (kLowp) convert_row(s, P_lowp.data() + r * BN, bn);
+          if constexpr (kLowp) {
+            if (!direct) convert_row(s, p_row, bn);
+            if (bn % 2) p_row[bn] = scalar_t(0);  // meets the packed V's zero row
+          }
         }
         UsedKeys used{0, bn, false};
         if (masked) used = used_keys(colsum.data(), bn);
         if (used.hi <= used.lo) continue;
+        if (packed) {
+          // Mixing in MKL's own AMX products here would leave brgemm's tile state stale, so a
+          // tile that leaves keys unused packs its V afresh, unused rows zeroed.
+          const scalar_t* vp = packed_kv.v(b * p.Hk + hk, n);
+          if (used.lo != 0 || used.hi != bn || used.holes) {
+            for (int64_t c = 0; c < round_up_even(bn); ++c) {
+              scalar_t* dst = v_scratch.data() + c * Dv;
+              if (c < bn && colsum[c] != 0.f) {
+                std::memcpy(dst, vb + (j0 + c) * vsn, Dv * sizeof(scalar_t));
+              } else {
+                std::fill(dst, dst + Dv, scalar_t(0));
+              }
+            }
+            cpu_blas::pack_b(v_scratch.data(), Dv, round_up_even(bn), Dv, v_packed.data());
+            vp = v_packed.data();
+          }
+          cpu_blas::packed_gemm(bm, Dv, round_up_even(bn), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
+          continue;
+        }
         int64_t ldv;
         const scalar_t* vt = used_operand(vb + j0 * vsn, vsn, Dv, colsum.data(), used, v_scratch.data(), &ldv);
         if constexpr (kLowp) {
-          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, BN, vt, ldv, 1.f,
+          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, ldP, vt, ldv, 1.f,
                acc.data(), Dv);
         } else {
           gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN, vt, ldv, 1.f, acc.data(),

@@ -9,7 +9,11 @@
 
 #include <torch/extension.h>
 
+#include <ATen/native/CPUBlas.h>
+
 #include <dlfcn.h>
+
+#include <algorithm>
 
 #include <cstdint>
 #include <cstdlib>
@@ -123,6 +127,71 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulat
     }
   }
 }
+
+// ---- Packed tile products (AMX on CPUs that have it): at::native::cpublas::brgemm, the
+// micro-kernel PyTorch's own CPU flash attention calls for bf16. Its B operand must be packed in
+// VNNI order (pairs of K rows interleaved), which needs an even K, and one call covers at most
+// kPackedStrip columns, so B is packed and multiplied in strips of that width.
+// TRANSFORMER_FAST_NO_BRGEMM=1 turns the packed path off (the plain gemm above is used).
+constexpr int64_t kPackedStrip = 64;
+
+template <typename T>
+bool packed_products_available() {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    static const bool available =
+        std::getenv("TRANSFORMER_FAST_NO_BRGEMM") == nullptr && at::native::cpublas::could_pack(at::kBFloat16);
+    return available;
+  }
+#endif
+  return false;
+}
+
+// Elements of the packed form of a (K x N) B operand.
+inline int64_t packed_size(int64_t K, int64_t N) {
+  return K * ((N + kPackedStrip - 1) / kPackedStrip) * kPackedStrip;
+}
+
+// Packs the row-major (K x N) matrix src (leading dimension ld, K even) into dst. Only called
+// where packed_products_available<T>().
+template <typename T>
+void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+  for (int64_t c = 0; c < N; c += kPackedStrip) {
+    at::native::cpublas::pack(K, std::min(kPackedStrip, N - c), ld, kPackedStrip, dtype, dtype, src + c, dst + c * K);
+  }
+#else
+  TORCH_CHECK(false, "packed tile products are not available in this PyTorch");
+#endif
+}
+
+// Row-major C (M x N) = A (M x K) B, or C += A B when accumulate; B packed by pack_b, K even.
+template <typename T>
+void packed_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B_packed, bool accumulate,
+                 float* C, int64_t ldc) {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  for (int64_t c = 0; c < N; c += kPackedStrip) {
+    at::native::cpublas::brgemm(M, std::min(kPackedStrip, N - c), K, lda, kPackedStrip, ldc, accumulate, A,
+                                B_packed + c * K, C + c, /*is_vnni=*/true);
+  }
+#else
+  TORCH_CHECK(false, "packed tile products are not available in this PyTorch");
+#endif
+}
+
+// Releases the calling thread's AMX tile state (if it used packed products) when it goes.
+struct PackedProductsGuard {
+  bool used;
+  explicit PackedProductsGuard(bool used_) : used(used_) {}
+  ~PackedProductsGuard() {
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+#endif
+  }
+  PackedProductsGuard(const PackedProductsGuard&) = delete;
+  PackedProductsGuard& operator=(const PackedProductsGuard&) = delete;
+};
 
 }  // namespace cpu_blas
 }  // namespace transformer_fast
