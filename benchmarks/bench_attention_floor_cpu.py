@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
 import transformer_fast as tf
+from transformer_fast import _build_config
 
 _FLOOR_SOURCE = r"""
 #include "cpu_blas.h"
@@ -73,8 +74,10 @@ void products(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor dout, bool ca
 
 def _load_floor():
     csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    # The package's own flags: without -fopenmp, at::parallel_for would run on one thread.
     return load_inline("transformer_fast_attention_floor", _FLOOR_SOURCE, functions=["products"],
-                       extra_include_paths=[csrc], extra_cflags=["-O3"], extra_ldflags=["-ldl"])
+                       extra_include_paths=[csrc], extra_cflags=_build_config.extra_cflags(),
+                       extra_ldflags=_build_config.extra_ldflags() + ["-ldl"])
 
 
 def main():

@@ -333,55 +333,84 @@ Blocks backward_blocks(const Problem& p) {
   return {std::min<int64_t>(128, p.Nq), std::min<int64_t>(128, p.Nk)};
 }
 
-// bf16 key and value blocks packed once for the packed tile products (cpu_blas.h), per (batch,
-// key head, key block): K^T (D x bn) and V (bn x Dv, bn rounded up to even with a zero row).
-// Garbage in masked keys is harmless in K^T (the masks overwrite those scores), but not in V:
-// tiles that leave keys unused take the unpacked product over the used keys instead.
-template <typename scalar_t>
-struct PackedKV {
-  at::Tensor storage;
-  int64_t n_blocks = 0, k_size = 0, v_size = 0;
-  scalar_t* k(int64_t bhk, int64_t n) const {
-    return storage.data_ptr<scalar_t>() + (bhk * n_blocks + n) * (k_size + v_size);
-  }
-  scalar_t* v(int64_t bhk, int64_t n) const { return k(bhk, n) + k_size; }
-};
-
+// ---- Operands for the packed (AMX) tile products of cpu_blas.h, bf16 only.
 inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
 
+// Blocks of `block` rows of a (B, heads, N, W) tensor, each packed once as the B operand of a
+// tile product: the block itself (K = its rows, rounded up to even with a zero row), or its
+// transpose (K = W, which must be even).
 template <typename scalar_t>
-PackedKV<scalar_t> pack_kv(const Problem& p, const at::Tensor& k, const at::Tensor& v, int64_t BN) {
-  PackedKV<scalar_t> packed;
-  packed.n_blocks = (p.Nk + BN - 1) / BN;
-  packed.k_size = cpu_blas::packed_size(p.D, BN);
-  packed.v_size = cpu_blas::packed_size(round_up_even(BN), p.Dv);
-  packed.storage = at::empty({p.B * p.Hk * packed.n_blocks * (packed.k_size + packed.v_size)}, k.options());
-  const scalar_t* k_data = k.data_ptr<scalar_t>();
-  const scalar_t* v_data = v.data_ptr<scalar_t>();
-  const int64_t D = p.D, Dv = p.Dv;
-  at::parallel_for(0, p.B * p.Hk * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> kt(D * BN), v_even(round_up_even(BN) * Dv);
+struct PackedBlocks {
+  at::Tensor storage;
+  int64_t n_blocks = 0, size = 0;
+  scalar_t* at(int64_t bh, int64_t n) const { return storage.data_ptr<scalar_t>() + (bh * n_blocks + n) * size; }
+};
+
+template <typename scalar_t>
+PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool transpose) {
+  const int64_t heads = t.size(1), N = t.size(2), W = t.size(3);
+  PackedBlocks<scalar_t> packed;
+  packed.n_blocks = (N + block - 1) / block;
+  packed.size = transpose ? cpu_blas::packed_size(W, block) : cpu_blas::packed_size(round_up_even(block), W);
+  packed.storage = at::empty({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
+  const scalar_t* data = t.data_ptr<scalar_t>();
+  at::parallel_for(0, t.size(0) * heads * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> scratch(round_up_even(block) * W);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bhk = task / packed.n_blocks, n = task % packed.n_blocks;
-      const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
-      const int64_t j0 = n * BN, bn = std::min(BN, p.Nk - j0);
-      const scalar_t* kb = k_data + b * k.stride(0) + hk * k.stride(1) + j0 * k.stride(2);
-      const scalar_t* vb = v_data + b * v.stride(0) + hk * v.stride(1) + j0 * v.stride(2);
-      scalar_t* k_dst = packed.k(bhk, n);
-      scalar_t* v_dst = packed.v(bhk, n);
-      at::from_blob(kt.data(), {D, bn}, k.options()).copy_(at::from_blob(const_cast<scalar_t*>(kb), {bn, D},
-                                                                         {k.stride(2), 1}, k.options()).t());
-      cpu_blas::pack_b(kt.data(), bn, D, bn, k_dst);
-      if (bn % 2 == 0) {
-        cpu_blas::pack_b(vb, v.stride(2), bn, Dv, v_dst);
+      const int64_t bh = task / packed.n_blocks, n = task % packed.n_blocks;
+      const int64_t j0 = n * block, rows = std::min(block, N - j0);
+      const scalar_t* src = data + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j0 * t.stride(2);
+      scalar_t* dst = packed.at(bh, n);
+      if (transpose) {
+        at::from_blob(scratch.data(), {W, rows}, t.options())
+            .copy_(at::from_blob(const_cast<scalar_t*>(src), {rows, W}, {t.stride(2), 1}, t.options()).t());
+        cpu_blas::pack_b(scratch.data(), rows, W, rows, dst);
+      } else if (rows % 2 == 0) {
+        cpu_blas::pack_b(src, t.stride(2), rows, W, dst);
       } else {
-        for (int64_t c = 0; c < bn; ++c) std::memcpy(v_even.data() + c * Dv, vb + c * v.stride(2), Dv * sizeof(scalar_t));
-        std::fill(v_even.data() + bn * Dv, v_even.data() + (bn + 1) * Dv, scalar_t(0));
-        cpu_blas::pack_b(v_even.data(), Dv, bn + 1, Dv, v_dst);
+        for (int64_t c = 0; c < rows; ++c) std::memcpy(scratch.data() + c * W, src + c * t.stride(2), W * sizeof(scalar_t));
+        std::fill(scratch.data() + rows * W, scratch.data() + (rows + 1) * W, scalar_t(0));
+        cpu_blas::pack_b(scratch.data(), W, rows + 1, W, dst);
       }
     }
   });
   return packed;
+}
+
+// The B operand of a product over the keys of a tile that leaves some unused (colsum 0): the
+// (bn x width) key rows packed afresh with the unused rows zeroed, so that NaN or inf stored
+// there cannot meet the zero probabilities. (Mixing in MKL's own AMX products instead would
+// leave brgemm's tile state stale.)
+template <typename scalar_t>
+const scalar_t* pack_used_rows(const scalar_t* src, int64_t ld, int64_t width, const float* colsum, int64_t bn,
+                               scalar_t* scratch, scalar_t* packed) {
+  for (int64_t c = 0; c < round_up_even(bn); ++c) {
+    scalar_t* dst = scratch + c * width;
+    if (c < bn && colsum[c] != 0.f) {
+      std::memcpy(dst, src + c * ld, width * sizeof(scalar_t));
+    } else {
+      std::fill(dst, dst + width, scalar_t(0));
+    }
+  }
+  cpu_blas::pack_b(scratch, width, round_up_even(bn), width, packed);
+  return packed;
+}
+
+// Row-major (rows x cols) tile -> its transpose (leading dimension ld_out), in at::vec's 32 x 32
+// register blocks; a zero column pads an odd row count (the product's reduction dim must be even).
+template <typename scalar_t>
+void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols, scalar_t* dst, int64_t ld_out) {
+  constexpr int64_t kBlock = 32;
+  for (int64_t r = 0; r < rows; r += kBlock) {
+    for (int64_t c = 0; c < cols; c += kBlock) {
+      at::vec::transpose_mxn<scalar_t>(src + r * ld_in + c, ld_in, dst + c * ld_out + r, ld_out,
+                                       static_cast<int>(std::min(kBlock, rows - r)),
+                                       static_cast<int>(std::min(kBlock, cols - c)));
+    }
+  }
+  if (rows % 2) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_out + rows] = scalar_t(0);
+  }
 }
 
 // -------------------------------------------------------------------------------------------
@@ -409,7 +438,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
   // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
   const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0;
-  const PackedKV<scalar_t> packed_kv = packed ? pack_kv<scalar_t>(p, k, v, BN) : PackedKV<scalar_t>();
+  const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
+  const PackedBlocks<scalar_t> packed_v = packed ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
   // max(s) * scale is the max of the scaled row only for scale > 0.
   const bool fold_scale = p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool);
@@ -419,7 +449,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
     const cpu_blas::PackedProductsGuard packed_products(packed);
     std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
     std::vector<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
-    std::vector<scalar_t> v_packed(packed ? packed_kv.v_size : 0);
+    std::vector<scalar_t> v_packed(packed ? packed_v.size : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
       const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
@@ -439,7 +469,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         // exponent (s_scale) unless a float mask must be added to scaled scores first.
         float s_scale = 1.f;
         if (packed) {
-          cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kv.k(b * p.Hk + hk, n), false, S.data(), BN);
+          cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kt.at(b * p.Hk + hk, n), false, S.data(), BN);
           if (fold_scale) {
             s_scale = p.scale;
           } else {
@@ -479,21 +509,10 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         if (masked) used = used_keys(colsum.data(), bn);
         if (used.hi <= used.lo) continue;
         if (packed) {
-          // Mixing in MKL's own AMX products here would leave brgemm's tile state stale, so a
-          // tile that leaves keys unused packs its V afresh, unused rows zeroed.
-          const scalar_t* vp = packed_kv.v(b * p.Hk + hk, n);
-          if (used.lo != 0 || used.hi != bn || used.holes) {
-            for (int64_t c = 0; c < round_up_even(bn); ++c) {
-              scalar_t* dst = v_scratch.data() + c * Dv;
-              if (c < bn && colsum[c] != 0.f) {
-                std::memcpy(dst, vb + (j0 + c) * vsn, Dv * sizeof(scalar_t));
-              } else {
-                std::fill(dst, dst + Dv, scalar_t(0));
-              }
-            }
-            cpu_blas::pack_b(v_scratch.data(), Dv, round_up_even(bn), Dv, v_packed.data());
-            vp = v_packed.data();
-          }
+          const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes
+                                   ? pack_used_rows(vb + j0 * vsn, vsn, Dv, colsum.data(), bn, v_scratch.data(),
+                                                    v_packed.data())
+                                   : packed_v.at(b * p.Hk + hk, n);
           cpu_blas::packed_gemm(bm, Dv, round_up_even(bn), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
           continue;
         }
@@ -582,10 +601,28 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   scalar_t* dk_data = dk.data_ptr<scalar_t>();
   scalar_t* dv_data = dv.data_ptr<scalar_t>();
 
+  // Packed (AMX) products: all five B operands packed once (K^T, V^T, K per key block; Q, dO
+  // per query block); P^T and dS^T are written transposed. They take no alpha: the softmax
+  // scale goes into the exponent (fold_scale) and into the final dQ sum (dq_scale).
+  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && Dv % 2 == 0;
+  const bool fold_scale = p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool);
+  PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
+  if (packed) {
+    packed_kt = pack_blocks<scalar_t>(k, BN, true);
+    packed_vt = pack_blocks<scalar_t>(v, BN, true);
+    packed_k = pack_blocks<scalar_t>(k, BN, false);
+    packed_q = pack_blocks<scalar_t>(q, BM, false);
+    packed_do = pack_blocks<scalar_t>(dout, BM, false);
+  }
+  const float dq_scale = packed ? p.scale : 1.f;
+  const int64_t ldP = round_up_even(BN), ldT = round_up_even(BM);
+
   at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
     const cpu_blas::SerialGuard serial_blas;
+    const cpu_blas::PackedProductsGuard packed_products(packed);
     std::vector<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
-    std::vector<scalar_t> P_lowp(kLowp ? BM * BN : 0), dS_lowp(kLowp ? BM * BN : 0), k_scratch(BN * D);
+    std::vector<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
+    std::vector<scalar_t> PT(packed ? BN * ldT : 0), dST(packed ? BN * ldT : 0), k_packed(packed ? packed_k.size : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % n_splits, bhk = task / n_splits;
       const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
@@ -608,14 +645,24 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             const scalar_t* dot = do_data + b * dsb + h * dsh + i0 * dsn;
             const float* lse_t = lse_data + bh * p.Nq + i0;
             const float* delta_t = delta_data + bh * p.Nq + i0;
-            gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+            float s_scale = 1.f;  // S = scale * Q K^T once multiplied by s_scale
+            if (packed) {
+              cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kt.at(bhk, n), false, S.data(), BN);
+              if (fold_scale) {
+                s_scale = p.scale;
+              } else {
+                for (int64_t r = 0; r < bm; ++r) scale_row(S.data() + r * BN, bn, p.scale);
+              }
+            } else {
+              gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
+            }
             const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
             if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
             // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
             for (int64_t r = 0; r < bm; ++r) {
               float* s = S.data() + r * BN;
-              const Vec shift(lse_t[r]);
-              at::vec::map([shift](Vec x) { return (x - shift).exp_u20(); }, s, s, bn);
+              const Vec shift(lse_t[r]), mult(s_scale);
+              at::vec::map([shift, mult](Vec x) { return at::vec::fmsub(x, mult, shift).exp_u20(); }, s, s, bn);
               if (masked) {
                 for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
               }
@@ -624,7 +671,11 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             if (masked) used = used_keys(colsum.data(), bn);
             if (used.hi <= used.lo) continue;
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
-            gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb + j0 * vsn, vsn, 0.f, dP.data(), BN);
+            if (packed) {
+              cpu_blas::packed_gemm(bm, bn, Dv, dot, dsn, packed_vt.at(bhk, n), false, dP.data(), BN);
+            } else {
+              gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb + j0 * vsn, vsn, 0.f, dP.data(), BN);
+            }
             // Pd = P * dropout factor -> dV += Pd^T dO; dS = P * (dP * factor - delta)
             for (int64_t r = 0; r < bm; ++r) {
               float* s = S.data() + r * BN;
@@ -640,15 +691,33 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
               if constexpr (kLowp) {
-                convert_row(s, P_lowp.data() + r * BN, bn);
-                convert_row(dp, dS_lowp.data() + r * BN, bn);
+                convert_row(s, P_lowp.data() + r * ldP, bn);
+                convert_row(dp, dS_lowp.data() + r * ldP, bn);
+                if (bn % 2) dS_lowp[r * ldP + bn] = scalar_t(0);  // meets the packed K's zero row
               }
+            }
+            if (packed) {
+              // dV += P^T dO, dK += dS^T Q (over all bn keys: unused ones have P = dS = 0 and
+              // finite operands), dQ += dS K (unscaled; K's unused rows zeroed when there are any)
+              transpose_to(P_lowp.data(), ldP, bm, bn, PT.data(), ldT);
+              transpose_to(dS_lowp.data(), ldP, bm, bn, dST.data(), ldT);
+              cpu_blas::packed_gemm(bn, Dv, round_up_even(bm), PT.data(), ldT, packed_do.at(bh, mb), true,
+                                    dv_acc.data(), Dv);
+              cpu_blas::packed_gemm(bn, D, round_up_even(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
+                                    dk_acc.data(), D);
+              const scalar_t* kp = used.lo != 0 || used.hi != bn || used.holes
+                                       ? pack_used_rows(kb + j0 * ksn, ksn, D, colsum.data(), bn, k_scratch.data(),
+                                                        k_packed.data())
+                                       : packed_k.at(bhk, n);
+              float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
+              cpu_blas::packed_gemm(bm, D, round_up_even(bn), dS_lowp.data(), ldP, kp, true, dqt, D);
+              continue;
             }
             const int64_t nu = used.hi - used.lo;
             if constexpr (kLowp) {
-              gemm(true, false, nu, Dv, bm, 1.f, P_lowp.data() + used.lo, BN, dot, dsn, 1.f,
+              gemm(true, false, nu, Dv, bm, 1.f, P_lowp.data() + used.lo, ldP, dot, dsn, 1.f,
                    dv_acc.data() + used.lo * Dv, Dv);
-              gemm(true, false, nu, D, bm, 1.f, dS_lowp.data() + used.lo, BN, qt, qsn, 1.f,
+              gemm(true, false, nu, D, bm, 1.f, dS_lowp.data() + used.lo, ldP, qt, qsn, 1.f,
                    dk_acc.data() + used.lo * D, D);
             } else {
               gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, BN, dot, dsn, 1.f, dv_acc.data() + used.lo * Dv,
@@ -661,7 +730,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             const scalar_t* kt = used_operand(kb + j0 * ksn, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
             float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
             if constexpr (kLowp) {
-              gemm(false, false, bm, D, nu, p.scale, dS_lowp.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);
+              gemm(false, false, bm, D, nu, p.scale, dS_lowp.data() + used.lo, ldP, kt, ldk, 1.f, dqt, D);
             } else {
               gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);
             }
@@ -689,6 +758,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
         const float* part = dq_acc_data + (s * rows + row) * D;
         for (int64_t d = 0; d < D; ++d) sum[d] += part[d];
       }
+      if (dq_scale != 1.f) scale_row(sum.data(), D, dq_scale);
       convert_row(sum.data(), dq_data + row * D, D);
     }
   });

@@ -218,19 +218,19 @@ def test_dropout_is_unbiased(backend):
     assert abs(kept.float().mean().item() - (1 - p)) < 0.02
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("Hk", [3, 1])
-def test_dropout_gradients_match_reference_with_the_same_mask(backend, is_causal, Hk):
+def test_dropout_gradients_match_reference_with_the_same_mask(backend, dtype, is_causal, Hk):
     """The keep mask is recovered by running with v = identity (out = P * mask / (1 - p), and
     P > 0 wherever a key is allowed); output and gradients for a random v must then match the
     reference given that mask, so the backward regenerates the forward's mask exactly."""
     _need(backend)
     B, H, Nq, Nk, D, Dv, p, seed = 2, 3, 37, 70, 24, 72, 0.3, 1234
-    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk)
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
     pad = random_key_padding(B, Nk)
     kwargs = dict(dropout_p=p, is_causal=is_causal, key_padding_mask=pad, enable_gqa=Hk != H)
-    eye = torch.eye(Nk, Dv).expand(B, Hk, Nk, Dv)
+    eye = torch.eye(Nk, Dv, dtype=dtype).expand(B, Hk, Nk, Dv)
     probe = _sdpa_seeded(backend, seed, **kwargs)(q, k, eye)[..., :Nk]
     keep = probe != 0
     allowed = ~pad[:, None, None, :] & (torch.ones(Nq, Nk, dtype=torch.bool).tril() if is_causal else True)
