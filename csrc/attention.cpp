@@ -2,13 +2,15 @@
 //
 // Queries and keys are processed in tiles with an online softmax, so nothing of size Nq x Nk is
 // ever allocated: each thread owns a (BLOCK_M x BLOCK_N) score tile and an fp32 output
-// accumulator. Tile products go through ATen's CPU BLAS (bf16/fp16 tiles multiply in their own
-// type into fp32), the softmax through at::vec. The contract (shapes, strides, masks, lse) is in
+// accumulator. Tile products go through the CPU BLAS that PyTorch ships (cpu_blas.h): MKL for
+// fp32 and fp16, and for bf16 the packed brgemm micro-kernel (AMX) with operands packed once per
+// call, where the CPU has it (else MKL's bf16 gemm); bf16/fp16 tiles multiply in their own type
+// into fp32. The softmax goes through at::vec. The contract (shapes, strides, masks, lse) is in
 // transformer_fast/attention.py.
 //
 // Masked positions are never multiplied by zero: a key that no row of a tile may attend to is
-// left out of the tile's value (and, in the backward, key) products, so NaN or inf stored in
-// padded keys/values cannot reach the output or the gradients.
+// left out of the tile's value (and, in the backward, key) products, or its packed rows are
+// zeroed, so NaN or inf stored in padded keys/values cannot reach the output or the gradients.
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
