@@ -415,6 +415,23 @@ void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols
   }
 }
 
+// S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
+// brgemm has no alpha, so there the scale is left for the exponent (returned: what S still has to
+// be multiplied by) unless a float mask must be added to scaled scores (or scale <= 0, where
+// max(s) * scale is not the scaled row's max): then it is applied here.
+template <typename scalar_t>
+float score_tile(const Problem& p, bool packed, const scalar_t* qt, int64_t qsn, const scalar_t* k_tile,
+                 int64_t ksn, const scalar_t* kt_packed, int64_t bm, int64_t bn, float* S, int64_t ldS) {
+  if (!packed) {
+    gemm(false, true, bm, bn, p.D, p.scale, qt, qsn, k_tile, ksn, 0.f, S, ldS);
+    return 1.f;
+  }
+  cpu_blas::packed_gemm(bm, bn, p.D, qt, qsn, kt_packed, false, S, ldS);
+  if (p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool)) return p.scale;
+  for (int64_t r = 0; r < bm; ++r) scale_row(S + r * ldS, bn, p.scale);
+  return 1.f;
+}
+
 // -------------------------------------------------------------------------------------------
 // Forward
 // -------------------------------------------------------------------------------------------
@@ -443,8 +460,6 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
   const PackedBlocks<scalar_t> packed_v = packed ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
-  // max(s) * scale is the max of the scaled row only for scale > 0.
-  const bool fold_scale = p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool);
 
   at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
     const cpu_blas::SerialGuard serial_blas;
@@ -467,19 +482,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         const uint8_t status = pad_status[b * n_nblocks + n];
         if (status == kAllPadding) continue;
         const int64_t bn = std::min(BN, p.Nk - j0);
-        // S = scale * Q K^T. The packed product has no alpha: the scale is applied in the
-        // exponent (s_scale) unless a float mask must be added to scaled scores first.
-        float s_scale = 1.f;
-        if (packed) {
-          cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kt.at(b * p.Hk + hk, n), false, S.data(), BN);
-          if (fold_scale) {
-            s_scale = p.scale;
-          } else {
-            for (int64_t r = 0; r < bm; ++r) scale_row(S.data() + r * BN, bn, p.scale);
-          }
-        } else {
-          gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
-        }
+        const float s_scale = score_tile(p, packed, qt, qsn, kb + j0 * ksn, ksn,
+                                         packed ? packed_kt.at(b * p.Hk + hk, n) : nullptr, bm, bn, S.data(), BN);
         const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
         // Unmasked tiles without dropout write P straight into the product's operand.
@@ -605,9 +609,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 
   // Packed (AMX) products: all five B operands packed once (K^T, V^T, K per key block; Q, dO
   // per query block); P^T and dS^T are written transposed. They take no alpha: the softmax
-  // scale goes into the exponent (fold_scale) and into the final dQ sum (dq_scale).
+  // scale goes into the exponent (score_tile) and into the final dQ sum (dq_scale).
   const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && Dv % 2 == 0;
-  const bool fold_scale = p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool);
   PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
   if (packed) {
     packed_kt = pack_blocks<scalar_t>(k, BN, true);
@@ -647,17 +650,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             const scalar_t* dot = do_data + b * dsb + h * dsh + i0 * dsn;
             const float* lse_t = lse_data + bh * p.Nq + i0;
             const float* delta_t = delta_data + bh * p.Nq + i0;
-            float s_scale = 1.f;  // S = scale * Q K^T once multiplied by s_scale
-            if (packed) {
-              cpu_blas::packed_gemm(bm, bn, D, qt, qsn, packed_kt.at(bhk, n), false, S.data(), BN);
-              if (fold_scale) {
-                s_scale = p.scale;
-              } else {
-                for (int64_t r = 0; r < bm; ++r) scale_row(S.data() + r * BN, bn, p.scale);
-              }
-            } else {
-              gemm(false, true, bm, bn, D, p.scale, qt, qsn, kb + j0 * ksn, ksn, 0.f, S.data(), BN);
-            }
+            const float s_scale = score_tile(p, packed, qt, qsn, kb + j0 * ksn, ksn,
+                                             packed ? packed_kt.at(bhk, n) : nullptr, bm, bn, S.data(), BN);
             const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
             if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
             // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
