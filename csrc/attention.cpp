@@ -415,6 +415,17 @@ void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols
   }
 }
 
+// Packing a block costs about as much as multiplying it by a few hundred rows: measured (bf16,
+// Nk = 4096, 2 threads), the packed forward loses to MKL below ~256 query rows per key/value
+// block (23x at Nq = 1, decoding) and wins from ~512 (1.4x at 2048). So packing needs that many
+// rows to share each packed block: query rows (times the GQA group) for K and V, and for the
+// backward's Q and dO also that many keys. TRANSFORMER_FAST_PACK_MIN_ROWS overrides the 256 (read
+// per call; the tests use it to run both paths on small shapes).
+inline bool packing_pays_off(int64_t rows_per_block) {
+  const char* env = std::getenv("TRANSFORMER_FAST_PACK_MIN_ROWS");
+  return rows_per_block >= (env != nullptr ? std::atoll(env) : 256);
+}
+
 // S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
 // brgemm has no alpha, so there the scale is left for the exponent (returned: what S still has to
 // be multiplied by) unless a float mask must be added to scaled scores (or scale <= 0, where
@@ -456,7 +467,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const int64_t D = p.D, Dv = p.Dv;
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
   // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
-  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0;
+  const bool packed =
+      cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && packing_pays_off(p.Nq * group);
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
   const PackedBlocks<scalar_t> packed_v = packed ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
@@ -610,7 +622,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   // Packed (AMX) products: all five B operands packed once (K^T, V^T, K per key block; Q, dO
   // per query block); P^T and dS^T are written transposed. They take no alpha: the softmax
   // scale goes into the exponent (score_tile) and into the final dQ sum (dq_scale).
-  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && Dv % 2 == 0;
+  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && Dv % 2 == 0 &&
+                      packing_pays_off(p.Nq * group) && packing_pays_off(p.Nk);
   PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
   if (packed) {
     packed_kt = pack_blocks<scalar_t>(k, BN, true);

@@ -22,8 +22,34 @@ def _dtypes(backend):
     return [torch.float32, torch.bfloat16] if backend == "cpp" else [torch.float32]
 
 
+# bf16 on the C++ backend has two product paths: PyTorch's packed (AMX) products where enough
+# query rows share each packed key/value block, MKL otherwise. The tests' small shapes run both
+# by moving that threshold (read per call).
+PACK_MIN_ROWS = {"packed": "0", "unpacked": "1000000000"}
+
+
+@pytest.fixture
+def products():
+    """Which bf16 C++ product path to force; parametrized below where it applies."""
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _force_products(products, monkeypatch):
+    if products is not None:
+        monkeypatch.setenv("TRANSFORMER_FAST_PACK_MIN_ROWS", PACK_MIN_ROWS[products])
+
+
 def _backend_dtype_params():
-    return [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b in BACKENDS for d in _dtypes(b)]
+    params = []
+    for b in BACKENDS:
+        for d in _dtypes(b):
+            name = f"{b}-{str(d)[6:]}"
+            if b == "cpp" and d == torch.bfloat16:
+                params += [pytest.param(b, d, path, id=f"{name}-{path}") for path in PACK_MIN_ROWS]
+            else:
+                params.append(pytest.param(b, d, None, id=name))
+    return params
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,11 +67,11 @@ SHAPES = [
     (1, 4, 2, 17, 300, 256, 16, False, "bhnd"),  # GQA, Dv != D
     (3, 4, 1, 300, 17, 16, 40, True, "bnhd"),  # multi-query, causal, Nq > Nk
     (1, 4, 2, 64, 300, 160, 160, True, "bnhd"),  # GQA, causal with Nq < Nk
-    (2, 2, 2, 33, 65, 17, 24, True, "bhnd"),  # odd head dim: bf16 C++ skips the packed products
+    (2, 2, 2, 33, 65, 17, 24, True, "bhnd"),  # odd head dim: bf16 C++ cannot use the packed products
 ]
 
 
-@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hk{}q{}k{}D{}Dv{}{}{}".format(
     *s[:7], "-causal" if s[7] else "", "-" + s[8]))
 def test_shapes_and_layouts(backend, dtype, shape):
@@ -78,7 +104,7 @@ def _mask_shape(spec, B, H, Nq, Nk):
     return {"qk": (Nq, Nk), "b1qk": (B, 1, Nq, Nk), "1h1k": (1, H, 1, Nk), "bhqk": (B, H, Nq, Nk)}[spec]
 
 
-@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 @pytest.mark.parametrize("case", MASKS, ids=lambda c: "{}-{}{}{}-B{}H{}q{}k{}D{}Dv{}".format(
     c[0], c[1], "-pad" if c[2] else "", "-causal" if c[3] else "", *c[4:]))
 def test_masks(backend, dtype, case):
@@ -100,13 +126,13 @@ def test_custom_scale_and_non_contiguous_mask(backend):
 
 # Not the reference backend: it materialises P @ V, so 0 * NaN leaks there by design.
 @pytest.mark.parametrize("backend", ["cpp"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, "packed"),
+                                            (torch.bfloat16, "unpacked")], ids=["float32", "bf16-packed", "bf16-unpacked"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
     """NaN/inf stored in padded keys and values (and in keys right of the causal diagonal, when
-    every query is left of them) must not reach the output or the gradients. (bf16 on the C++
-    backend takes the packed tile products, whose V blocks are packed ahead; an odd Nk gives
-    them a zero pad row.)"""
+    every query is left of them) must not reach the output or the gradients. (The packed bf16
+    products pack V blocks ahead; an odd Nk gives them a zero pad row.)"""
     _need(backend)
     B, H, Nq, Nk, D = 3, 2, 40, 151, 64
     q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
@@ -164,7 +190,7 @@ def test_empty_sequences(backend, Nq, Nk):
         assert t.grad.shape == t.shape and (t.grad == 0).all()
 
 
-@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 def test_deterministic(backend, dtype):
     _need(backend)
     q, k, v = make_qkv(2, 4, 130, 250, 64, dtype=dtype, Hk=2)
@@ -218,7 +244,7 @@ def test_dropout_is_unbiased(backend):
     assert abs(kept.float().mean().item() - (1 - p)) < 0.02
 
 
-@pytest.mark.parametrize("backend,dtype", _backend_dtype_params())
+@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("Hk", [3, 1])
 def test_dropout_gradients_match_reference_with_the_same_mask(backend, dtype, is_causal, Hk):
