@@ -18,7 +18,6 @@ Families and implementations:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import os
 
@@ -403,26 +402,10 @@ class TorchSeq2Seq(nn.Module):
 
 
 def build_ours_model(attention, vocab, d_model, nhead, num_layers, dim_feedforward, max_len):
-    try:
-        from transformer_fast.models import Seq2SeqTransformer
-    except ImportError as exc:
-        raise NotAvailable(f"transformer_fast.models is not available ({exc})") from exc
-    try:
-        params = inspect.signature(Seq2SeqTransformer).parameters
-    except (TypeError, ValueError):
-        params = {}
-    kwargs = dict(d_model=d_model, nhead=nhead, num_encoder_layers=num_layers, num_decoder_layers=num_layers,
-                  dim_feedforward=dim_feedforward, attention=attention)
-    if "dropout" in params:
-        kwargs["dropout"] = 0.0
-    for name in ("max_len", "max_seq_len", "max_length", "max_positions"):
-        if name in params:
-            kwargs[name] = max_len
-    try:
-        return Seq2SeqTransformer(vocab, vocab, **kwargs)
-    except (TypeError, ValueError, NotImplementedError, ImportError) as exc:
-        raise NotAvailable(f"Seq2SeqTransformer(attention={attention!r}) failed: {type(exc).__name__}: {exc}") \
-            from exc
+    from transformer_fast.models import Seq2SeqTransformer
+    return Seq2SeqTransformer(vocab, vocab, d_model=d_model, nhead=nhead, num_encoder_layers=num_layers,
+                              num_decoder_layers=num_layers, dim_feedforward=dim_feedforward, dropout=0.0,
+                              attention=attention, max_len=max_len)
 
 
 @contextlib.contextmanager
