@@ -156,6 +156,21 @@ struct Sizes {
   int64_t B, H, Nq, Nk, D, Dv;
 };
 
+// The whole non-causal state S' (D x E) += phi(K)^T V' over all keys, chunk by chunk (Kc, Vc:
+// chunk buffers; padded keys load as zeros).
+template <typename scalar_t, typename acc_t>
+void accumulate_state(const Sizes& s, const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv,
+                      const bool* padded, acc_t* Kc, acc_t* Vc, acc_t* S) {
+  const int64_t D = s.D, Dv = s.Dv, E = Dv + 1, C = kChunk;
+  for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
+    const int64_t rows = std::min(C, s.Nk - j0);
+    const bool* pad = padded ? padded + j0 : nullptr;
+    load_rows(k + j0 * sk, sk, rows, D, pad, true, false, Kc, D);
+    load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Vc, E);
+    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K)^T V'
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t* k, int64_t sk, const scalar_t* v,
                   int64_t sv, const bool* padded, bool is_causal, acc_t eps, scalar_t* out, std::vector<acc_t>& ws) {
@@ -170,13 +185,7 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
   acc_t* S = A + C * C;
   std::fill(S, S + D * E, acc_t(0));
   if (!is_causal) {
-    for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
-      const int64_t rows = std::min(C, s.Nk - j0);
-      const bool* pad = padded ? padded + j0 : nullptr;
-      load_rows(k + j0 * sk, sk, rows, D, pad, true, false, Kc, D);
-      load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Vc, E);
-      matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K)^T V'
-    }
+    accumulate_state(s, k, sk, v, sv, padded, Kc, Vc, S);
     for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
       const int64_t rows = std::min(C, s.Nq - i0);
       load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, Qc, D);
@@ -213,13 +222,7 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
   acc_t* S = Nc + C * E;
   acc_t* R = S + D * E;
   std::fill(S, S + 2 * D * E, acc_t(0));
-  for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
-    const int64_t rows = std::min(C, s.Nk - j0);
-    const bool* pad = padded ? padded + j0 : nullptr;
-    load_rows(k + j0 * sk, sk, rows, D, pad, true, false, X, D);
-    load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Y, E);
-    matmul(true, false, D, E, rows, X, D, Y, E, acc_t(1), S, E);  // S' += phi(K)^T V'
-  }
+  accumulate_state(s, k, sk, v, sv, padded, X, Y, S);
   for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
     const int64_t rows = std::min(C, s.Nq - i0);
     load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, X, D);
