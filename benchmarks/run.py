@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import math
 import os
 import sys
 import time

@@ -16,7 +16,6 @@ fp32 inputs use input_precision="ieee" for tl.dot (exact fp32 products; a GPU's 
 would miss the tests' 2x-reference-error policy); fp16/bf16 use tensor cores with fp32
 accumulation.
 """
-import math
 
 import torch
 import triton
@@ -161,6 +160,10 @@ def _fwd_configs():
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _FWD_TILES]
 
 
+def _all_tiles(*tables):
+    return sorted({t for table in tables for ts in table.values() for t in ts})
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); which apply to a call is decided by _prune_fwd.
 # (128, 64, 4 warps) and (128, 128, 8 warps) spill on sm_80/sm_90 and are left out.
 _FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
@@ -169,7 +172,7 @@ _FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
     256: [(64, 64, 8, 2), (64, 32, 4, 2)],  # (64, 64, 4 warps) spills here
 }
 _FWD_TILES_FP32 = {d: [(32, 32, 4, 2)] for d in (64, 128, 256)}  # ieee dot: no tensor cores
-_FWD_TILES = sorted({t for d in (_FWD_TILES_LOWP, _FWD_TILES_FP32) for ts in d.values() for t in ts})
+_FWD_TILES = _all_tiles(_FWD_TILES_LOWP, _FWD_TILES_FP32)
 
 
 def _head_class(block_d):
@@ -193,7 +196,7 @@ def _prune(table_lowp, table_fp32):
 
 # Sizes and the seed are not specialized (a length of 1 would otherwise become a constant).
 _NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "seed", "LEN_BUCKET"]
-_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "DOT_PRECISION"]
+_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "MASK_KIND", "HAS_PAD", "HAS_DROPOUT", "DOT_PRECISION"]
 
 
 @triton.autotune(configs=autotune_configs(_fwd_configs()), key=_TUNE_KEY,
@@ -325,26 +328,35 @@ def _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_
     return dk, dv
 
 
-def _bwd_configs():
+def _bwd_configs(tiles):
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _BWD_TILES]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
-# Backward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): the dK/dV kernel holds a BLOCK_N key
-# block and streams BLOCK_M query rows; the dQ kernel holds BLOCK_M query rows and streams keys.
-# dK/dV holds two fp32 (BLOCK_N, head dim) accumulators plus K and V: 8 warps from head dim 128.
-_BWD_TILES_LOWP = {
-    64: [(64, 64, 4, 2), (32, 128, 8, 2)],
-    128: [(64, 64, 8, 2), (32, 64, 8, 2)],
+# Backward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). The dK/dV kernel holds a BLOCK_N key
+# block (K, V and two fp32 accumulators) and streams BLOCK_M query rows: long key blocks and short
+# query tiles. The dQ kernel holds BLOCK_M query rows and streams keys. Chosen on an H100 with
+# benchmarks/sweep_attention_gpu.py (bf16, N=4096; times, registers and spills in NOTES.md): the
+# three fastest tiles per kernel and head dim that spill little or nothing, causal and not. The
+# mask features are part of the autotune key: with them the same tile can spill (compile check).
+_DKDV_TILES_LOWP = {
+    64: [(16, 128, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3)],
+    # (64, 64, 8 warps): half the speed of the others on plain inputs, but with causal + padding +
+    # a mask it spills least of them on sm_80 (76 bytes against 150-18000)
+    128: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
+    256: [(32, 32, 8, 1), (64, 32, 8, 1)],
+}
+_DQ_TILES_LOWP = {
+    64: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+    128: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
     256: [(32, 32, 8, 1), (64, 32, 8, 1)],
 }
 _BWD_TILES_FP32 = {d: [(32, 32, 8, 1)] for d in (64, 128, 256)}
-_BWD_TILES = sorted({t for d in (_BWD_TILES_LOWP, _BWD_TILES_FP32) for ts in d.values() for t in ts})
 
 
-@triton.autotune(configs=autotune_configs(_bwd_configs()), key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune(_BWD_TILES_LOWP, _BWD_TILES_FP32)})
+@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DKDV_TILES_LOWP, _BWD_TILES_FP32))),
+                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DKDV_TILES_LOWP, _BWD_TILES_FP32)})
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dkdv_kernel(
         Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Pad, KvRange,
@@ -448,8 +460,8 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn
     return dq
 
 
-@triton.autotune(configs=autotune_configs(_bwd_configs()), key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune(_BWD_TILES_LOWP, _BWD_TILES_FP32)})
+@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DQ_TILES_LOWP, _BWD_TILES_FP32))),
+                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _BWD_TILES_FP32)})
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dq_kernel(
         Q, K, V, DOut, Lse, Delta, DQ, Mask, Pad, KvRange,
@@ -542,6 +554,8 @@ def _padding_args(key_padding_mask, q):
 
 def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
     D, Dv = q.shape[3], v.shape[3]
+    if max(D, Dv) > 256:  # the public API checks this; the tile tables stop at 256
+        raise ValueError(f"the Triton attention kernels take head dims up to 256, got query {D}, value {Dv}")
     return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv), IS_CAUSAL=bool(is_causal),
                 MASK_KIND=_mask_args(attn_mask, q)[2], HAS_PAD=key_padding_mask is not None,
                 HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
@@ -664,8 +678,8 @@ def compile_cases():
 
     heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
     kernels = ((attention_fwd_kernel, "attention_fwd", _FWD_TILES_LOWP, _FWD_TILES_FP32),
-               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _BWD_TILES_LOWP, _BWD_TILES_FP32),
-               (attention_bwd_dq_kernel, "attention_bwd_dq", _BWD_TILES_LOWP, _BWD_TILES_FP32))
+               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _DKDV_TILES_LOWP, _BWD_TILES_FP32),
+               (attention_bwd_dq_kernel, "attention_bwd_dq", _DQ_TILES_LOWP, _BWD_TILES_FP32))
     for kernel, name, lowp, fp32 in kernels:
         forward = kernel is attention_fwd_kernel
         for cls, (d, dv) in heads.items():

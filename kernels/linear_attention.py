@@ -27,11 +27,11 @@ dO . out, so the backward first runs the forward scan in "stats" mode, writing d
 per-Dv-tile partial dots dO . out (summed by the consumers).
 
 Precision: the states and every accumulation are fp32; tl.dot operands are fp32 (phi and the
-1/den scaling are applied in fp32). For fp32 inputs the dots use input_precision="ieee" (a GPU
-would otherwise use tf32 and miss the 2x-reference-error policy); for fp16/bf16 inputs "tf32",
-whose 10-bit mantissa matches fp16 and exceeds bf16 while keeping fp32's range (fp16 states
-overflow at long lengths). ieee dots run on FMA units and need whole operand rows per thread,
-so fp32 gets its own small blocks (and still spills 1-8 KB a thread at head dim 256).
+1/den scaling are applied in fp32; fp16 states would overflow at long lengths). The dot precision
+follows the input dtype (`_precision`): ieee for fp32 (a GPU would otherwise use tf32 and miss the
+2x-reference-error policy), tf32x3 for fp16 (tf32 truncation misses it too), tf32 for bf16. ieee
+dots run on FMA units and need whole operand rows per thread, so they get their own small blocks
+(and still spill at head dim 256).
 
 Parallelism: the causal scan runs B*H*(column tiles) programs, each sequential over N/BLOCK_N
 chunks (no split over N); the non-causal passes split the rows over programs.
@@ -322,24 +322,37 @@ MAX_BLOCK_C = 64
 
 
 def _config(na, nc, dtype):
-    """Block sizes for a contracted width `na` (held whole) and a column width `nc` (tiled):
-    the chunk shrinks as the contracted width grows, so that the scan's fp32 tiles (a, b:
-    BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) fit the registers. fp32 inputs
-    use ieee dots, which run on FMA units with each thread holding whole rows of the operands:
-    they get the smallest tiles."""
+    """(block sizes, num_warps, tl.dot precision) for a contracted width `na` (held whole) and a
+    column width `nc` (tiled): the chunk shrinks as the contracted width grows, so that the
+    scan's fp32 tiles (a, b: BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) fit the
+    registers. ieee dots run on FMA units with each thread holding whole rows of the operands:
+    they get the smallest tiles; tf32x3 dots hold each operand twice (high and low parts): half
+    the chunk and narrower columns."""
     block_a = max(16, next_power_of_2(na))
-    if dtype == torch.float32:
+    precision = _precision(dtype, block_a)
+    if precision == "ieee":
         block_c = max(16, min(next_power_of_2(nc), 32 if block_a <= 32 else 16))
-        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4 if block_a <= 64 else 8
+        return dict(BLOCK_N=16, BLOCK_A=block_a, BLOCK_C=block_c), 4 if block_a <= 64 else 8, precision
     block_c = max(16, min(next_power_of_2(nc), MAX_BLOCK_C, STATE_TILE_ELEMENTS // block_a))
     block_n = 64 if block_a <= 32 else (32 if block_a <= 128 else 16)
+    if precision == "tf32x3":
+        block_c = min(block_c, 32)
+        block_n = max(16, block_n // 2)
     elements = 2 * block_n * block_a + block_n * block_n + 2 * block_n * block_c + block_a * block_c
     num_warps = 4 if elements <= 8192 else 8
-    return dict(BLOCK_N=block_n, BLOCK_A=block_a, BLOCK_C=block_c), num_warps
+    return dict(BLOCK_N=block_n, BLOCK_A=block_a, BLOCK_C=block_c), num_warps, precision
 
 
-def _precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype, block_a):
+    """The dots take fp32 operands (phi and the scalings are applied in fp32; the states must stay
+    fp32). fp32 inputs: exact ieee dots. bf16: tf32, whose truncation to a 10-bit mantissa is far
+    below bf16's own rounding. fp16: tf32's truncation error (up to 2^-10 per operand) exceeds
+    twice fp16's rounding error (2^-11) on a GPU (seen on an H100: 4 ulps where the fp16
+    reference makes 1), so tf32x3 (fp32-accurate products from three tf32 ones); at head dims of
+    256 that spills kilobytes per thread, so ieee there."""
+    if dtype == torch.float32 or (dtype == torch.float16 and block_a >= 256):
+        return "ieee"
+    return "tf32x3" if dtype == torch.float16 else "tf32"
 
 
 def _mask_args(key_padding_mask, dummy):
@@ -359,7 +372,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
     B, H, N, D = q.shape
     Dv = v.shape[3]
     na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
-    blocks, num_warps = _config(na, nc, q.dtype)
+    blocks, num_warps, precision = _config(na, nc, q.dtype)
     grid = (B * H, triton.cdiv(nc, blocks["BLOCK_C"]))
     if den is None:
         return grid[1]
@@ -368,7 +381,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
         q, k, v, dout, mask, den, p, out,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn,
         H, N, D, Dv, n_ptiles, eps,
-        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(q.dtype), **blocks, num_warps=num_warps, num_stages=2)
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, **blocks, num_warps=num_warps, num_stages=2)
     return grid[1]
 
 
@@ -390,7 +403,7 @@ def _state(x, y, key_padding_mask, den, g):
     """(S, z): S = sum X'^T Y (B*H, D, Dv), z = sum X' u (B*H, D), fp32; backward if den is given."""
     B, H, N, D = x.shape
     Dv = y.shape[3]
-    blocks, num_warps = _config(D, Dv, x.dtype)
+    blocks, num_warps, precision = _config(D, Dv, x.dtype)
     c_tiles = triton.cdiv(Dv, blocks["BLOCK_C"])
     splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
     chunks_per_split = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), splits)
@@ -402,7 +415,7 @@ def _state(x, y, key_padding_mask, den, g):
     state_kernel[(B * H, c_tiles, splits)](
         x, y, mask, den if backward else ws_z, g if backward else ws_z, ws_s, ws_z,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, chunks_per_split,
-        BACKWARD=backward, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), **blocks,
+        BACKWARD=backward, HAS_MASK=has_mask, PRECISION=precision, **blocks,
         num_warps=num_warps, num_stages=2)
     if splits == 1:
         return ws_s[:, 0], ws_z[:, 0]
@@ -412,13 +425,13 @@ def _state(x, y, key_padding_mask, den, g):
 def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     B, H, N, D = x.shape
     Dv = s.shape[-1]
-    blocks, num_warps = _config(D, Dv, x.dtype)
+    blocks, num_warps, precision = _config(D, Dv, x.dtype)
     block_m = blocks.pop("BLOCK_N")
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
     apply_kernel[(B * H, triton.cdiv(N, block_m))](
         x, y, mask, s, z, out, out2, den, g,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
-        MODE=mode.value, HAS_MASK=has_mask, PRECISION=_precision(x.dtype), BLOCK_M=block_m, **blocks,
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, BLOCK_M=block_m, **blocks,
         num_warps=num_warps, num_stages=2)
 
 
@@ -472,43 +485,40 @@ def compile_cases():
     cases = []
     for na, nc, dtype, has_mask in shapes:
         ty = dtypes[dtype]
-        if True:
-            ptr = f"*{ty}"
-            if True:
-                if True:
-                    blocks, num_warps = _config(na, nc, dtype)
-                    common = dict(HAS_MASK=has_mask, PRECISION=_precision(dtype))
-                    tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
-                    for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
-                        sig = {name: ptr for name in ("Q", "K", "V", "DO")}
-                        sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == FWD_STATS else ptr)
-                        sig.update({name: "i32" for name in (
-                            "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
-                            "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
-                        sig["eps"] = "fp32"
-                        const = dict(MODE=mode.value, **common, **blocks)
-                        sig.update({name: "constexpr" for name in const})
-                        cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=causal_scan_kernel, signature=sig,
-                                          constexprs=const, num_warps=num_warps, num_stages=2))
-                    for backward in (False, True):
-                        sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
-                        sig.update({name: "i32" for name in (
-                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV",
-                            "chunks_per_split")})
-                        const = dict(BACKWARD=backward, **common, **blocks)
-                        sig.update({name: "constexpr" for name in const})
-                        cases.append(dict(name=f"linattn_state_bwd{int(backward)}_{tag}", fn=state_kernel,
-                                          signature=sig, constexprs=const, num_warps=num_warps, num_stages=2))
-                    apply_blocks = dict(blocks)
-                    apply_blocks["BLOCK_M"] = apply_blocks.pop("BLOCK_N")
-                    for mode in (APPLY_OUT, APPLY_DQ, APPLY_DKDV):
-                        sig = dict(X=ptr, Y=ptr, KPM="*u8", S="*fp32", Z="*fp32", OUT=ptr, OUT2=ptr, DEN="*fp32",
-                                   G="*fp32")
-                        sig.update({name: "i32" for name in (
-                            "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV")})
-                        sig["eps"] = "fp32"
-                        const = dict(MODE=mode.value, **common, **apply_blocks)
-                        sig.update({name: "constexpr" for name in const})
-                        cases.append(dict(name=f"linattn_apply_mode{mode.value}_{tag}", fn=apply_kernel, signature=sig,
-                                          constexprs=const, num_warps=num_warps, num_stages=2))
+        ptr = f"*{ty}"
+        blocks, num_warps, precision = _config(na, nc, dtype)
+        common = dict(HAS_MASK=has_mask, PRECISION=precision)
+        tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
+        for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
+            sig = {name: ptr for name in ("Q", "K", "V", "DO")}
+            sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == FWD_STATS else ptr)
+            sig.update({name: "i32" for name in (
+                "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
+                "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
+            sig["eps"] = "fp32"
+            const = dict(MODE=mode.value, **common, **blocks)
+            sig.update({name: "constexpr" for name in const})
+            cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=causal_scan_kernel, signature=sig,
+                              constexprs=const, num_warps=num_warps, num_stages=2))
+        for backward in (False, True):
+            sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
+            sig.update({name: "i32" for name in (
+                "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV",
+                "chunks_per_split")})
+            const = dict(BACKWARD=backward, **common, **blocks)
+            sig.update({name: "constexpr" for name in const})
+            cases.append(dict(name=f"linattn_state_bwd{int(backward)}_{tag}", fn=state_kernel,
+                              signature=sig, constexprs=const, num_warps=num_warps, num_stages=2))
+        apply_blocks = dict(blocks)
+        apply_blocks["BLOCK_M"] = apply_blocks.pop("BLOCK_N")
+        for mode in (APPLY_OUT, APPLY_DQ, APPLY_DKDV):
+            sig = dict(X=ptr, Y=ptr, KPM="*u8", S="*fp32", Z="*fp32", OUT=ptr, OUT2=ptr, DEN="*fp32",
+                       G="*fp32")
+            sig.update({name: "i32" for name in (
+                "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV")})
+            sig["eps"] = "fp32"
+            const = dict(MODE=mode.value, **common, **apply_blocks)
+            sig.update({name: "constexpr" for name in const})
+            cases.append(dict(name=f"linattn_apply_mode{mode.value}_{tag}", fn=apply_kernel, signature=sig,
+                              constexprs=const, num_warps=num_warps, num_stages=2))
     return cases

@@ -1,5 +1,4 @@
 """The package itself: imports, backend dispatch, input validation, the reference oracle."""
-import importlib.util
 import math
 import os
 import subprocess
