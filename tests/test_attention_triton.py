@@ -65,6 +65,25 @@ def test_attn_mask_broadcast(kind, shape):
     check_attention("triton", q, k, v, attn_mask=mask)
 
 
+def test_float_mask_gradient():
+    """A learned per-head bias (float attn_mask requiring grad) gets its gradient, with GQA,
+    causal masking and a fully padded sequence."""
+    from helpers import compare_with_reference
+
+    q, k, v = make_qkv(2, 4, 17, 40, 16, Hk=2, dtype=torch.float16, device=_device())
+    mask = random_attn_mask((4, 17, 40), "float", dtype=torch.float16, device=_device())
+    pad = random_key_padding(2, 40, fully_padded_row=1, device=_device())
+
+    def kernel(q, k, v, mask):
+        return tf.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                               key_padding_mask=pad, backend="triton")
+
+    def ref(q, k, v, mask):
+        return reference.scaled_dot_product_attention(q, k, v, mask, True, key_padding_mask=pad)
+
+    compare_with_reference(kernel, ref, (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what="attention[triton] mask")
+
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_attn_mask_fully_masked_rows_with_causal_and_padding(kind):
     q, k, v = make_qkv(2, 2, 40, 17, 40, dtype=torch.float16, device=_device())

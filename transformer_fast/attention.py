@@ -75,11 +75,39 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+def _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale):
+    """The gradient of a float attn_mask, (B, H, Nq, Nk): the mask is added to the scaled scores,
+    so it is the score gradient dS = P * (dO V^T - rowsum(dO * O)), with P = exp(S - lse)
+    recomputed from the saved log-sum-exp. Plain torch ops in (at least) fp32: this gradient is a
+    full Nq x Nk tensor per head whatever computes it (autograd then sums it over the mask's
+    broadcast dims). Disallowed pairs, padded keys and rows with no allowed key get 0."""
+    ct = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale + attn_mask.to(ct)
+    p = torch.exp(s - lse.to(ct)[..., None])  # lse = +inf on rows with no allowed key: P = 0
+    dp = torch.matmul(dout.to(ct), v.to(ct).transpose(-1, -2))
+    ds = p * (dp - (dout.to(ct) * out.to(ct)).sum(-1, keepdim=True))
+    # Zeroed after the product, so that whatever padded keys hold cannot leak in.
+    disallowed = attn_mask == float("-inf")
+    if is_causal:
+        Nq, Nk = s.shape[-2:]
+        disallowed = disallowed | torch.ones(Nq, Nk, dtype=torch.bool, device=s.device).triu(1)
+    if key_padding_mask is not None:
+        disallowed = disallowed | key_padding_mask[:, None, None, :]
+    return ds.masked_fill(disallowed, 0.0).to(attn_mask.dtype)
+
+
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, attn_mask, key_padding_mask, *ctx.args)
-    # No gradient for the masks (a float attn_mask is treated as a constant bias), the flags or the seed.
-    return dq, dk, dv, None, None, None, None, None, None, None
+    dmask = None
+    if ctx.needs_input_grad[3]:  # a float attn_mask that requires grad (e.g. a learned position bias)
+        is_causal, scale = ctx.args[:2]
+        dmask = _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale)
+    # No gradient for key_padding_mask, the flags or the seed.
+    return dq, dk, dv, dmask, None, None, None, None, None, None
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -109,7 +137,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         convention), read per tile.
     Query rows with no allowed key give 0 (and 0 gradient). ``enable_gqa=True`` lets key/value
     have fewer heads than query (a divisor). ``backend``: "auto", "triton", "cpp" or "reference".
-    Masks receive no gradient.
+    A float ``attn_mask`` that requires grad gets its gradient (as in PyTorch; computed with torch
+    ops outside the fused kernels, in O(B H Nq Nk) memory; not with dropout).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=(3, 4))
@@ -140,6 +169,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if (attn_mask is not None and attn_mask.requires_grad and dropout_p > 0.0 and torch.is_grad_enabled()):
+        raise ValueError("a float attn_mask that requires grad cannot be combined with dropout_p > 0: its "
+                         "gradient needs the kernels' dropout mask, which only they regenerate")
     attn_mask = broadcast_attn_mask(attn_mask, (B, H, Nq, Nk), query)
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
 
