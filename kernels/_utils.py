@@ -22,5 +22,13 @@ def autotune_configs(configs):
     return configs[:1] if interpreting() else configs
 
 
+def forced_tile_index():
+    """TRANSFORMER_FAST_TILE=i: autotuned kernels use only the i-th candidate tile of their table
+    (modulo its length) instead of timing them all. The GPU tests set it (a grid compiles one tile
+    per kernel, and a separate test walks every i); unset, the kernels autotune."""
+    value = os.environ.get("TRANSFORMER_FAST_TILE", "")
+    return int(value) if value.strip() else None
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

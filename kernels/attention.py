@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import autotune_configs, interpreting, new_output, next_power_of_2
+from ._utils import autotune_configs, forced_tile_index, interpreting, new_output, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -188,6 +188,9 @@ def _tiles_for(args, table_lowp, table_fp32):
 def _prune(table_lowp, table_fp32):
     def prune(configs, named_args, **kwargs):
         wanted = _tiles_for({**named_args, **kwargs}, table_lowp, table_fp32)
+        forced = forced_tile_index()
+        if forced is not None:
+            wanted = [wanted[forced % len(wanted)]]
         kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                 in wanted]
         return kept or configs[:1]

@@ -275,6 +275,48 @@ def test_gpu_full_grid(D, dtype, is_causal):
                                  f": {exc}") from exc
 
 
+def _tile_of(config):
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def test_forced_tile_selects_one_candidate(monkeypatch):
+    """TRANSFORMER_FAST_TILE=i leaves the autotuner the i-th candidate of the table (mod its
+    length); unset, every candidate for the head dim."""
+    import triton
+
+    from transformer_fast.kernels import attention as ka
+
+    tiles = ka._DKDV_TILES_LOWP[128]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in ka._all_tiles(ka._DKDV_TILES_LOWP, ka._BWD_TILES_FP32)]
+    prune = ka._prune(ka._DKDV_TILES_LOWP, ka._BWD_TILES_FP32)
+    args = dict(BLOCK_D=128, BLOCK_DV=64, DOT_PRECISION="tf32")
+    monkeypatch.delenv("TRANSFORMER_FAST_TILE", raising=False)
+    assert sorted(_tile_of(c) for c in prune(configs, args)) == sorted(tiles)
+    for i in range(len(tiles) + 1):
+        monkeypatch.setenv("TRANSFORMER_FAST_TILE", str(i))
+        assert [_tile_of(c) for c in prune(configs, args)] == [tiles[i % len(tiles)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", range(4))
+def test_gpu_every_tile(tile, monkeypatch):
+    """Every candidate tile of every autotuned kernel (the other GPU tests use the first only),
+    per head-dim class, on plain inputs and with every feature at once."""
+    from transformer_fast.kernels import attention as ka
+
+    monkeypatch.setenv("TRANSFORMER_FAST_TILE", str(tile))
+    for kernel in (ka.attention_fwd_kernel, ka.attention_bwd_dkdv_kernel, ka.attention_bwd_dq_kernel):
+        kernel.cache.clear()  # tuned choices are cached per key: forget those of another tile
+    for D in (64, 128, 256):
+        q, k, v = make_qkv(2, 4, 300, 300, D, dtype=torch.float16, device="cuda")
+        check_attention("triton", q, k, v)
+        q, k, v = make_qkv(3, 4, 129, 300, D, Hk=2, dtype=torch.float16, layout="bnhd", device="cuda")
+        pad = random_key_padding(3, 300, fully_padded_row=1, device="cuda")
+        mask = random_attn_mask((129, 300), "bool", device="cuda")
+        check_attention("triton", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [16, 80, 256])
 def test_gpu_fp32_is_not_tf32(D):
