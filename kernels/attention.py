@@ -164,7 +164,7 @@ def _all_tiles(*tables):
     return sorted({t for table in tables for ts in table.values() for t in ts})
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); which apply to a call is decided by _prune_fwd.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); which apply to a call is decided by _prune.
 # (128, 64, 4 warps) and (128, 128, 8 warps) spill on sm_80/sm_90 and are left out.
 _FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
     64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
