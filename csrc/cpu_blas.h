@@ -7,8 +7,11 @@
 // TRANSFORMER_FAST_ATEN_GEMM=1 forces that fallback (for debugging).
 #pragma once
 
+#include "cpu_capability.h"  // before any ATen header: at::vec's ISA
+
 #include <torch/extension.h>
 
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <dlfcn.h>
@@ -129,12 +132,12 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulat
 }
 
 // ---- Packed tile products (AMX on CPUs that have it): at::native::cpublas::brgemm, the
-// micro-kernel PyTorch's own CPU flash attention calls for bf16. Its B operand must be packed in
-// VNNI order (pairs of K rows interleaved), which needs an even K, and one call covers at most
-// kPackedStrip columns, so B is packed and multiplied in strips of that width.
+// micro-kernel PyTorch's own CPU flash attention calls for bf16. Its B operand must be in VNNI
+// order, [K/2][N][2] (each pair of K rows interleaved column by column, so K must be even), with
+// leading dimension N: one call covers the whole tile. (Packing in 64-column strips through
+// cpublas::pack and one call per strip, as before, spent 1.7x torch's time in the micro-kernel
+// for the same products: perf, bf16 forward, N = 2048.)
 // TRANSFORMER_FAST_NO_BRGEMM=1 turns the packed path off (the plain gemm above is used).
-constexpr int64_t kPackedStrip = 64;
-
 template <typename T>
 bool packed_products_available() {
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
@@ -147,34 +150,37 @@ bool packed_products_available() {
   return false;
 }
 
-// Elements of the packed form of a (K x N) B operand.
-inline int64_t packed_size(int64_t K, int64_t N) {
-  return K * ((N + kPackedStrip - 1) / kPackedStrip) * kPackedStrip;
-}
+// Elements of the packed form of a (K x N) B operand (K even).
+inline int64_t packed_size(int64_t K, int64_t N) { return K * N; }
 
-// Packs the row-major (K x N) matrix src (leading dimension ld, K even) into dst. Only called
-// where packed_products_available<T>().
+// Packs the row-major (K x N) matrix src (leading dimension ld, K even) into dst in VNNI order:
+// dst[(k / 2) * 2N + 2n + k % 2] = src[k][n].
 template <typename T>
 void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
-#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
-  const at::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
-  for (int64_t c = 0; c < N; c += kPackedStrip) {
-    at::native::cpublas::pack(K, std::min(kPackedStrip, N - c), ld, kPackedStrip, dtype, dtype, src + c, dst + c * K);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (sizeof(T) == 2) {  // at::vec's AVX-512 2 x 32 register transposes
+    at::vec::pack_vnni2(src, dst, ld, K, N);
+    return;
   }
-#else
-  TORCH_CHECK(false, "packed tile products are not available in this PyTorch");
 #endif
+  for (int64_t k = 0; k < K; k += 2) {
+    const T* row0 = src + k * ld;
+    const T* row1 = row0 + ld;
+    T* out = dst + k * N;
+    for (int64_t n = 0; n < N; ++n) {
+      out[2 * n] = row0[n];
+      out[2 * n + 1] = row1[n];
+    }
+  }
 }
 
-// Row-major C (M x N) = A (M x K) B, or C += A B when accumulate; B packed by pack_b, K even.
+// Row-major C (M x N) = A (M x K) B, or C += A B when accumulate; B packed by pack_b with the same
+// K (even) and N. Only called where packed_products_available<T>().
 template <typename T>
 void packed_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B_packed, bool accumulate,
                  float* C, int64_t ldc) {
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
-  for (int64_t c = 0; c < N; c += kPackedStrip) {
-    at::native::cpublas::brgemm(M, std::min(kPackedStrip, N - c), K, lda, kPackedStrip, ldc, accumulate, A,
-                                B_packed + c * K, C + c, /*is_vnni=*/true);
-  }
+  at::native::cpublas::brgemm(M, N, K, lda, N, ldc, accumulate, A, B_packed, C, /*is_vnni=*/true);
 #else
   TORCH_CHECK(false, "packed tile products are not available in this PyTorch");
 #endif
