@@ -26,8 +26,13 @@ def forced_tile_index():
     """TRANSFORMER_FAST_TILE=i: autotuned kernels use only the i-th candidate tile of their table
     (modulo its length) instead of timing them all. The GPU tests set it (a grid compiles one tile
     per kernel, and a separate test walks every i); unset, the kernels autotune."""
-    value = os.environ.get("TRANSFORMER_FAST_TILE", "")
-    return int(value) if value.strip() else None
+    value = os.environ.get("TRANSFORMER_FAST_TILE", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"TRANSFORMER_FAST_TILE must be a tile index (an integer), got {value!r}") from None
 
 
 def next_power_of_2(n: int) -> int:

@@ -169,7 +169,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    if (attn_mask is not None and attn_mask.requires_grad and dropout_p > 0.0 and torch.is_grad_enabled()):
+    if attn_mask is not None and attn_mask.requires_grad and dropout_p > 0.0 and torch.is_grad_enabled():
         raise ValueError("a float attn_mask that requires grad cannot be combined with dropout_p > 0: its "
                          "gradient needs the kernels' dropout mask, which only they regenerate")
     attn_mask = broadcast_attn_mask(attn_mask, (B, H, Nq, Nk), query)
