@@ -43,9 +43,7 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     B, H, N, D = q.shape
     meta = ka._common_meta(q, k, v, None, None, causal, 0.0)
     block_m, block_n, warps, stages = tile
-    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            0, 0, 0, 0, 0, 0, H, 1, N, N, scale * ka.LOG2E, scale, 0.0, 0, ka._len_bucket(N, N))
+    args = ka._backward_scalar_args(q, k, v, dout, (0, 0, 0, 0), (0, 0), scale, 0.0, 0)
     tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if kernel_name == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -581,6 +581,17 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     return out, lse
 
 
+def _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed):
+    """The strides and scalars of the dK/dV and dQ kernels, in their argument order (after the
+    tensors)."""
+    H, Nq = q.shape[1], q.shape[2]
+    Hk, Nk = k.shape[1], k.shape[2]
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+            *mask_strides, *pad_strides, H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(scale), float(dropout_p),
+            int(seed), _len_bucket(Nq, Nk))
+
+
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
     B, H, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -600,10 +611,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dq = new_output((B, H, Nq, D), q.dtype, q.device)
     dk = new_output((B, Hk, Nk, D), k.dtype, k.device)
     dv = new_output((B, Hk, Nk, Dv), v.dtype, v.device)
-    args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-            *mask_strides, *pad_strides, H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(scale), float(dropout_p),
-            int(seed), _len_bucket(Nq, Nk))
+    args = _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed)
     attention_bwd_dkdv_kernel[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), Hk, B)](
         q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta)
     attention_bwd_dq_kernel[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), H, B)](
