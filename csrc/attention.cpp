@@ -124,6 +124,29 @@ inline float exp_shift_sum(const float* x, int64_t n, float mult, float shift, T
   return sum;
 }
 
+// a . b in fp32 with a vector of partial sums: its rounding error grows like n / 16 rather than n,
+// as does that of dP, the BLAS product it is subtracted from in dS = P * (dP - delta). Where one
+// key takes a row's whole probability, dP and delta are the same number in exact arithmetic, and
+// a sequential sum here measurably raised the fp32 dQ error over the reference's.
+template <typename T>
+inline float dot_fp32(const T* a, const T* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; c + Vec::size() <= n; c += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + c), Vec::loadu(b + c), acc);
+  } else {
+    using VecT = at::vec::Vectorized<T>;
+    for (; c + VecT::size() <= n; c += VecT::size()) {
+      auto [a0, a1] = at::vec::convert_to_float<T>(VecT::loadu(a + c));
+      auto [b0, b1] = at::vec::convert_to_float<T>(VecT::loadu(b + c));
+      acc = at::vec::fmadd(a1, b1, at::vec::fmadd(a0, b0, acc));
+    }
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; c < n; ++c) sum += static_cast<float>(a[c]) * static_cast<float>(b[c]);
+  return sum;
+}
+
 // dp <- p * (dp - delta), and exactly 0 where p == 0 (masked keys: dp may hold garbage there).
 inline void ds_from_dp(const float* s, float* dp, int64_t n, float delta) {
   int64_t c = 0;
@@ -346,9 +369,18 @@ struct Blocks {
   int64_t m, n;
 };
 
-// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; see benchmarks/bench_attention_cpu.py).
-// Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows when that leaves too
-// few tasks for the threads. Backward: 128 x 128 (64 or 256 query rows, or 64/256 keys, were slower).
+// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; see benchmarks/bench_attention_cpu.py
+// and benchmarks/NOTES.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
+// when that leaves too few tasks for the threads. Backward: 128 query rows (or the forward's, where
+// fewer) by 512 keys in fp32, or 128 keys when causal (the diagonal's tiles are skipped more
+// finely) and in bf16 (its packed products and transposes ran 7% faster on 128).
+//
+// The backward recomputes the scores S = scale * Q K^T and turns them into probabilities with
+// the forward's log-sum-exp, so it must reproduce the forward's S bit for bit: MKL sums a
+// product in an order that depends on the shape of the call, and a score that differs by one
+// rounding (about 1e-5 for |S| ~ 50) skews exp(S - lse) by as much, which tripled the fp32
+// gradient error for peaked softmaxes. So the forward computes S in the backward's tiles
+// (score_tile's unit), at the same origins (the backward tile divides the forward's).
 Blocks forward_blocks(const Problem& p) {
   int64_t bm = 256;
   const int64_t min_tasks = 4 * at::get_num_threads();
@@ -356,8 +388,10 @@ Blocks forward_blocks(const Problem& p) {
   return {std::min(bm, p.Nq), std::min<int64_t>(512, p.Nk)};
 }
 
+template <typename scalar_t>
 Blocks backward_blocks(const Problem& p) {
-  return {std::min<int64_t>(128, p.Nq), std::min<int64_t>(128, p.Nk)};
+  const int64_t bn = std::is_same_v<scalar_t, float> && !p.causal ? 512 : 128;
+  return {std::min<int64_t>(128, forward_blocks(p).m), std::min<int64_t>(bn, p.Nk)};
 }
 
 // ---- Operands for the packed (AMX) tile products of cpu_blas.h, bf16 only.
@@ -454,12 +488,21 @@ inline bool packing_pays_off(int64_t rows_per_block) {
 // S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
 // brgemm has no alpha, so there the scale is left for the exponent (returned: what S still has to
 // be multiplied by) unless a float mask must be added to scaled scores (or scale <= 0, where
-// max(s) * scale is not the scaled row's max): then it is applied here.
+// max(s) * scale is not the scaled row's max): then it is applied here. MKL's products are made
+// in units of unit.m x unit.n (the backward's tiles; see backward_blocks) so that the forward
+// and the backward compute every score the same way. (The packed bf16 path rounds P to bf16,
+// which is far coarser than a differently summed fp32 score.)
 template <typename scalar_t>
-float score_tile(const Problem& p, bool packed, const scalar_t* qt, int64_t qsn, const scalar_t* k_tile,
-                 int64_t ksn, const scalar_t* kt_packed, int64_t bm, int64_t bn, float* S, int64_t ldS) {
+float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar_t* qt, int64_t qsn,
+                 const scalar_t* k_tile, int64_t ksn, const scalar_t* kt_packed, int64_t bm, int64_t bn, float* S,
+                 int64_t ldS) {
   if (!packed) {
-    gemm(false, true, bm, bn, p.D, p.scale, qt, qsn, k_tile, ksn, 0.f, S, ldS);
+    for (int64_t r = 0; r < bm; r += unit.m) {
+      for (int64_t c = 0; c < bn; c += unit.n) {
+        gemm(false, true, std::min(unit.m, bm - r), std::min(unit.n, bn - c), p.D, p.scale, qt + r * qsn, qsn,
+             k_tile + c * ksn, ksn, 0.f, S + r * ldS + c, ldS);
+      }
+    }
     return 1.f;
   }
   cpu_blas::packed_gemm(bm, bn, p.D, qt, qsn, kt_packed, false, S, ldS);
@@ -474,7 +517,7 @@ float score_tile(const Problem& p, bool packed, const scalar_t* qt, int64_t qsn,
 template <typename scalar_t>
 void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           at::Tensor& out, at::Tensor& lse) {
-  const Blocks blk = forward_blocks(p);
+  const Blocks blk = forward_blocks(p), score_unit = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n;
   const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
   const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
@@ -519,7 +562,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         const uint8_t status = pad_status[b * n_nblocks + n];
         if (status == kAllPadding) continue;
         const int64_t bn = std::min(BN, p.Nk - j0);
-        const float s_scale = score_tile(p, packed, qt, qsn, kb + j0 * ksn, ksn,
+        const float s_scale = score_tile(p, packed, score_unit, qt, qsn, kb + j0 * ksn, ksn,
                                          packed ? packed_kt.at(b * p.Hk + hk, n) : nullptr, bm, bn, S.data(), BN);
         const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
@@ -595,7 +638,7 @@ template <typename scalar_t>
 void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
                           at::Tensor& dk, at::Tensor& dv) {
-  const Blocks blk = backward_blocks(p);
+  const Blocks blk = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n;
   const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
   const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
@@ -620,14 +663,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
   at::parallel_for(0, p.B * p.H * p.Nq, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> a(Dv), c(Dv);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t i = row % p.Nq, bh = row / p.Nq, b = bh / p.H, h = bh % p.H;
-      const scalar_t* dor = do_data + b * dsb + h * dsh + i * dsn;
-      const scalar_t* orow = o_data + b * osb + h * osh + i * osn;
-      float sum = 0.f;
-      for (int64_t d = 0; d < Dv; ++d) sum += static_cast<float>(dor[d]) * static_cast<float>(orow[d]);
-      delta_data[row] = sum;
+      delta_data[row] = dot_fp32(do_data + b * dsb + h * dsh + i * dsn, o_data + b * osb + h * osh + i * osn, Dv);
     }
   });
 
@@ -688,7 +726,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             const scalar_t* dot = do_data + b * dsb + h * dsh + i0 * dsn;
             const float* lse_t = lse_data + bh * p.Nq + i0;
             const float* delta_t = delta_data + bh * p.Nq + i0;
-            const float s_scale = score_tile(p, packed, qt, qsn, kb + j0 * ksn, ksn,
+            const float s_scale = score_tile(p, packed, blk, qt, qsn, kb + j0 * ksn, ksn,
                                              packed ? packed_kt.at(bhk, n) : nullptr, bm, bn, S.data(), BN);
             const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
             if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);

@@ -58,5 +58,39 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
         return reference.scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
                                                       key_padding_mask=key_padding_mask)
 
+    def flash(inputs, dout):
+        return flash_gradients(*inputs, dout, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                               is_causal=is_causal, scale=scale)
+
     return compare_with_reference(kernel, ref, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
-                                  what=f"attention[{backend}]", atol=atol)
+                                  what=f"attention[{backend}]", atol=atol, gradient_formulation=flash)
+
+
+def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
+    """dq, dk, dv by FlashAttention-2's backward equations, unfused, with fp32 arithmetic on the
+    inputs' values: P = exp(S - lse), dS = P * (dP - delta) with delta = rowsum(dO * O) taken from
+    O as stored (in the inputs' dtype). The kernels use this delta, as issue #3 asks, and it
+    carries an error that autograd's delta = rowsum(P * dP) does not: where one key takes all of
+    a row's probability, autograd's dS cancels to exactly 0 and this one is off by a rounding of
+    |dO| |O|; with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels
+    both show it.) So its error, too, counts as the reference's error in the inputs' dtype."""
+    dtype = q.dtype
+    B, H, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    group = H // Hk
+    qf, kf, vf, dof = (t.detach().float() for t in (q, k, v, dout))
+    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+    scale = D ** -0.5 if scale is None else scale
+    s = qf @ kf.transpose(-2, -1) * scale + reference.attention_bias(
+        Nq, Nk, batch=B, heads=H, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        dtype=torch.float32)
+    no_key = torch.isneginf(s).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(s.masked_fill(no_key, 0.0), dim=-1, keepdim=True)
+    p = torch.exp(s - lse).masked_fill(no_key, 0.0)
+    out = (p @ vf).to(dtype).float()
+    dp = dof @ vf.transpose(-2, -1)
+    ds = p * (dp - (dof * out).sum(dim=-1, keepdim=True))
+    dq = ds @ kf * scale
+    dk = (ds.transpose(-2, -1) @ qf * scale).unflatten(1, (Hk, group)).sum(dim=2)
+    dv = (p.transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)

@@ -22,20 +22,28 @@ def max_error(a, b):
 
 def assert_close_to_reference(actual, reference64, reference_lowp, *, what="output", factor=2.0, atol=None):
     """actual: the kernel's result; reference64: the float64 reference; reference_lowp: the
-    reference computed in the kernel's dtype (from the same rounded inputs)."""
+    reference computed in the kernel's dtype (from the same rounded inputs), or a list of such
+    references (other formulations of the same quantity): the reference error is the largest."""
     assert not torch.isnan(actual).any(), f"{what}: the kernel produced NaN"
     atol = ATOL[actual.dtype] if atol is None else atol
     err = max_error(actual, reference64)
-    ref_err = max_error(reference_lowp, reference64)
+    lowps = reference_lowp if isinstance(reference_lowp, (list, tuple)) else [reference_lowp]
+    ref_err = max(max_error(r, reference64) for r in lowps)
     bound = factor * ref_err + atol
     assert err <= bound, (f"{what}: max error {err:.3e} > {factor} x reference error {ref_err:.3e} "
                           f"+ {atol:.1e} (dtype {actual.dtype})")
 
 
-def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, what="", factor=2.0, atol=None):
+def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, what="", factor=2.0, atol=None,
+                           gradient_formulation=None):
     """Runs kernel_fn(*inputs) and reference_fn in float64 and in the inputs' dtype, checks the
     output and the gradients w.r.t. the inputs at positions `grad_inputs` (a random upstream
-    gradient) with assert_close_to_reference. Non-tensor inputs pass through unchanged."""
+    gradient) with assert_close_to_reference. Non-tensor inputs pass through unchanged.
+
+    gradient_formulation(inputs, dout) -> gradients: where a kernel's backward is specified by
+    other equations than autograd's (attention's delta = rowsum(dO * O)), those equations
+    evaluated in the inputs' dtype by plain torch ops; their error also counts as the
+    reference's error in that dtype."""
     def prepared(dtype):
         out = []
         for i, x in enumerate(inputs):
@@ -56,6 +64,10 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, w
         g_k = torch.autograd.grad(out_k, [args_k[i] for i in grad_inputs], dout.to(out_k.dtype))
         g_64 = torch.autograd.grad(out_64, [args_64[i] for i in grad_inputs], dout)
         g_lp = torch.autograd.grad(out_lp, [args_lp[i] for i in grad_inputs], dout.to(out_lp.dtype))
-        for i, a, b, c in zip(grad_inputs, g_k, g_64, g_lp):
+        g_alt = [[g] for g in g_lp]
+        if gradient_formulation is not None:
+            for alt, g in zip(g_alt, gradient_formulation(prepared(lowp), dout.to(lowp))):
+                alt.append(g)
+        for i, a, b, c in zip(grad_inputs, g_k, g_64, g_alt):
             assert_close_to_reference(a, b, c, what=f"{what} grad of input {i}", factor=factor, atol=atol)
     return out_k

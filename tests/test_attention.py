@@ -162,6 +162,29 @@ def test_custom_scale_and_non_contiguous_mask(backend):
     check_attention(backend, q, k, v, attn_mask=mask, scale=0.37)
 
 
+# Peaked softmaxes (logits with a standard deviation of 4 to 20), in shapes where the C++
+# forward's tiles are larger than the backward's. The backward turns recomputed scores into
+# probabilities with the forward's log-sum-exp, so a score summed in another order than in the
+# forward skews them: that tripled the fp32 gradient error here before the forward computed its
+# scores in the backward's tiles.
+PEAKED = [  # (B, H, Hk, Nq, Nk, D, Dv, is_causal, scale)
+    (3, 1, 1, 129, 129, 128, 128, False, 0.3),
+    (1, 2, 2, 300, 600, 64, 64, False, 0.5),
+    (3, 2, 1, 65, 17, 80, 128, False, 2.0),
+    (1, 2, 2, 300, 300, 80, 80, True, 2.0),
+]
+
+
+@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
+@pytest.mark.parametrize("case", PEAKED, ids=str)
+def test_peaked_softmax(backend, dtype, case):
+    _need(backend)
+    B, H, Hk, Nq, Nk, D, Dv, is_causal, scale = case
+    for _ in range(3):  # fresh inputs each time: the error of one draw may be small by chance
+        q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
+        check_attention(backend, q, k, v, is_causal=is_causal, scale=scale)
+
+
 # Not the reference backend: it materialises P @ V, so 0 * NaN leaks there by design.
 @pytest.mark.parametrize("backend", ["cpp"])
 @pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, "packed"),
