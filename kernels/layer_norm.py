@@ -2,8 +2,8 @@
 
 Kernel-level contract: transformer_fast/layer_norm.py. Rows up to MAX_TILE wide are one tile
 (several rows per program when narrow) kept in registers; wider rows loop over tiles of
-LOOP_TILE columns, gathering the statistics with Chan's merge of per-tile (mean, M2) so a large
-common offset costs no precision. The backward gives each program a contiguous range of rows,
+LOOP_TILE columns, gathering the statistics with Chan's merge of per-tile (mean, M2). Both take
+the statistics of h minus the row's first element, so a large common offset costs no precision. The backward gives each program a contiguous range of rows,
 accumulates its weight/bias gradient partial sums in float32 and writes one row of a (programs, N)
 buffer; a single sum over that buffer finishes dweight/dbias. Only mean and rstd are saved.
 """
@@ -41,8 +41,15 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
         if IS_RMS:
             xc = x
         else:
+            # Statistics of h - (the row's first element), as in the tiled path below: a plain
+            # fp32 sum of a row whose mean is far larger than its spread loses the spread's bits.
+            shift = tl.load(X + rows64 * stride_x, mask=row_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r0 = tl.load(R + rows64 * stride_r, mask=row_mask, other=0.0).to(tl.float32)
+                shift = (shift + r0).to(H.dtype.element_ty).to(tl.float32)
+            x = tl.where(mask, x - shift[:, None], 0.0)
             mean = tl.sum(x, axis=1) / N
-            tl.store(Mean + rows, mean, mask=row_mask)
+            tl.store(Mean + rows, shift + mean, mask=row_mask)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
         tl.store(Rstd + rows, rstd, mask=row_mask)

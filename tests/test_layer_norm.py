@@ -139,6 +139,23 @@ def test_large_offset(backend, width):
         _check(backend, lead, width, torch.float16, False, True, True, True, offset=1e3)
 
 
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("width", (7, 600))
+def test_offset_much_larger_than_spread(backend, width):
+    """Rows of mean -1000 and standard deviation 1, each kept whole in one tile. LayerNorm does
+    not change when a row is shifted by a constant, so the fp32 reference taken about each row's
+    first element is as valid as the plain one, and far more accurate here: a plain fp32 sum of
+    the row loses the low bits that the spread lives in. The kernels must match that accuracy
+    (the Triton kernel's plain sum was up to 70x off it, as torch's own layer_norm is)."""
+    _skip_unavailable(backend)
+    for _ in range(3):
+        x = torch.randn(4, width) - 1000.0
+        ref64 = reference.layer_norm(x.double(), (width,))
+        shifted32 = reference.layer_norm(x - x[:, :1], (width,))
+        out = tf.layer_norm(x, (width,), backend=backend)
+        assert_close_to_reference(out, ref64, shifted32, what=f"{backend} offset -1000 width {width}")
+
+
 def test_cpp_statistics_of_large_offset():
     """mean and rstd themselves, against float64 (the first element an outlier, too)."""
     _skip_unavailable("cpp")
