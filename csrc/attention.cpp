@@ -380,7 +380,9 @@ struct Blocks {
 // product in an order that depends on the shape of the call, and a score that differs by one
 // rounding (about 1e-5 for |S| ~ 50) skews exp(S - lse) by as much, which tripled the fp32
 // gradient error for peaked softmaxes. So the forward computes S in the backward's tiles
-// (score_tile's unit), at the same origins (the backward tile divides the forward's).
+// (score_tile's unit), at the same origins (the backward tile divides the forward's). (The
+// forward's query tile depends on the thread count: a backward run with another thread count
+// than its forward may get other tiles, which changes only the scores' rounding.)
 Blocks forward_blocks(const Problem& p) {
   int64_t bm = 256;
   const int64_t min_tasks = 4 * at::get_num_threads();
