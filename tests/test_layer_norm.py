@@ -276,6 +276,20 @@ def test_zero_rows():
         assert x.grad.shape == x.shape
 
 
+
+@pytest.mark.parametrize("fn", [tf.layer_norm, tf.rms_norm], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape,normalized_shape", [((3, 0), (0,)), ((2, 3, 0), (3, 0)), ((0, 0), (0,))])
+def test_rows_of_no_elements(fn, shape, normalized_shape):
+    """As torch's: empty outputs of the input's shape, and gradients of it (these used to fail in a
+    reshape with a RuntimeError)."""
+    x = torch.randn(shape, requires_grad=True)
+    r = torch.randn(shape)
+    y = fn(x, normalized_shape)
+    y2, h = fn(x, normalized_shape, residual=r)
+    assert y.shape == y2.shape == h.shape == x.shape
+    (y.sum() + y2.sum()).backward()
+    assert x.grad.shape == x.shape
+
 # ------------------------------------------------------------------------------------------------
 # Modules: drop-in for torch.nn, state dicts both ways, torch.compile
 # ------------------------------------------------------------------------------------------------

@@ -129,6 +129,10 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     width = 1
     for s in normalized_shape:
         width *= s
+    if width == 0:  # rows of no elements: empty outputs, as torch.nn.functional.layer_norm gives
+        h = x if residual is None else x + residual
+        y = h.clone()
+        return y if residual is None else (y, h)
     backend = _dispatch.select_backend(x.device, x.dtype, backend)
     y, h, _, _ = _layer_norm_forward_op(
         as_rows(x, width), None if residual is None else as_rows(residual, width),
