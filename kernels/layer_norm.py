@@ -3,9 +3,10 @@
 Kernel-level contract: transformer_fast/layer_norm.py. Rows up to MAX_TILE wide are one tile
 (several rows per program when narrow) kept in registers; wider rows loop over tiles of
 LOOP_TILE columns, gathering the statistics with Chan's merge of per-tile (mean, M2). Both take
-the statistics of h minus the row's first element, so a large common offset costs no precision. The backward gives each program a contiguous range of rows,
-accumulates its weight/bias gradient partial sums in float32 and writes one row of a (programs, N)
-buffer; a single sum over that buffer finishes dweight/dbias. Only mean and rstd are saved.
+the statistics of h minus the row's first element, so a large common offset costs no precision.
+The backward gives each program a contiguous range of rows, accumulates its weight/bias gradient
+partial sums in float32 and writes one row of a (programs, N) buffer; a single sum over that
+buffer finishes dweight/dbias. Only mean and rstd are saved.
 """
 import torch
 import triton
