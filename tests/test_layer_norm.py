@@ -276,7 +276,6 @@ def test_zero_rows():
         assert x.grad.shape == x.shape
 
 
-
 @pytest.mark.parametrize("fn", [tf.layer_norm, tf.rms_norm], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("shape,normalized_shape", [((3, 0), (0,)), ((2, 3, 0), (3, 0)), ((0, 0), (0,))])
 def test_rows_of_no_elements(fn, shape, normalized_shape):
@@ -289,6 +288,7 @@ def test_rows_of_no_elements(fn, shape, normalized_shape):
     assert y.shape == y2.shape == h.shape == x.shape
     (y.sum() + y2.sum()).backward()
     assert x.grad.shape == x.shape
+
 
 # ------------------------------------------------------------------------------------------------
 # Modules: drop-in for torch.nn, state dicts both ways, torch.compile
