@@ -159,6 +159,23 @@ inline void ds_from_dp(const float* s, float* dp, int64_t n, float delta) {
   for (; c < n; ++c) dp[c] = s[c] == 0.f ? 0.f : s[c] * (dp[c] - delta);
 }
 
+// s <- P = exp(s * mult - lse) and dp <- dS = P * (dp - delta), for a row with no masked key.
+inline void p_and_ds(float* s, float* dp, int64_t n, float mult, float lse, float delta) {
+  const Vec vmult(mult), vlse(lse), vdelta(delta);
+  int64_t c = 0;
+  for (; c + Vec::size() <= n; c += Vec::size()) {
+    const Vec pv = at::vec::fmsub(Vec::loadu(s + c), vmult, vlse).exp_u20();
+    pv.store(s + c);
+    (pv * (Vec::loadu(dp + c) - vdelta)).store(dp + c);
+  }
+  if (c < n) {  // the tail as a partial vector, as at::vec::map does
+    const int64_t rest = n - c;
+    const Vec pv = at::vec::fmsub(Vec::loadu(s + c, rest), vmult, vlse).exp_u20();
+    pv.store(s + c, rest);
+    (pv * (Vec::loadu(dp + c, rest) - vdelta)).store(dp + c, rest);
+  }
+}
+
 inline void scale_row(float* x, int64_t n, float s) {
   at::vec::map([s](Vec a) { return a * Vec(s); }, x, x, n);
 }
@@ -731,19 +748,24 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             const float s_scale = score_tile(p, packed, blk, qt, qsn, kb + j0 * ksn, ksn,
                                              packed ? packed_kt.at(bhk, n) : nullptr, bm, bn, S.data(), BN);
             const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
-            if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
-            // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
-            for (int64_t r = 0; r < bm; ++r) {
-              float* s = S.data() + r * BN;
-              const Vec shift(lse_t[r]), mult(s_scale);
-              at::vec::map([shift, mult](Vec x) { return at::vec::fmsub(x, mult, shift).exp_u20(); }, s, s, bn);
-              if (masked) {
-                for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
-              }
-            }
+            // An unmasked tile without dropout uses all its keys: P and dS are then made in one
+            // pass after the dP product. Otherwise P comes first, to find the keys in use.
+            const bool fused = !masked && !p.dropout.active();
             UsedKeys used{0, bn, false};
-            if (masked) used = used_keys(colsum.data(), bn);
-            if (used.hi <= used.lo) continue;
+            if (!fused) {
+              if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
+              // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
+              for (int64_t r = 0; r < bm; ++r) {
+                float* s = S.data() + r * BN;
+                const Vec shift(lse_t[r]), mult(s_scale);
+                at::vec::map([shift, mult](Vec x) { return at::vec::fmsub(x, mult, shift).exp_u20(); }, s, s, bn);
+                if (masked) {
+                  for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
+                }
+              }
+              if (masked) used = used_keys(colsum.data(), bn);
+              if (used.hi <= used.lo) continue;
+            }
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
             if (packed) {
               cpu_blas::packed_gemm(bm, bn, Dv, dot, dsn, packed_vt.at(bhk, n), false, dP.data(), BN);
@@ -759,8 +781,11 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 p.dropout.factors(p.dropout.row_key(bh, p.Nq, i0 + r), j0, bn, f);
                 for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
               }
-              const float dl = delta_t[r];
-              ds_from_dp(s, dp, bn, dl);  // dP -> dS
+              if (fused) {
+                p_and_ds(s, dp, bn, s_scale, lse_t[r], delta_t[r]);
+              } else {
+                ds_from_dp(s, dp, bn, delta_t[r]);  // dP -> dS
+              }
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
