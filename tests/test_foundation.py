@@ -68,6 +68,62 @@ def test_backend_environment_variable(monkeypatch):
     assert _dispatch.select_backend(torch.device("cpu"), torch.float32, "auto") == "reference"
 
 
+def test_run_op_skips_the_custom_op_only_where_nothing_depends_on_it():
+    """run_op calls the op's function directly only for plain eager calls without autograd."""
+    def op(*args):
+        return "op"
+
+    def fn(*args):
+        return "fn"
+
+    x = torch.randn(3)
+    leaf = torch.randn(3, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(3))
+    assert _dispatch.run_op(op, fn, x, None, 1.0) == "fn"
+    assert _dispatch.run_op(op, fn, x, leaf) == "op"  # autograd must record the op
+    assert _dispatch.run_op(op, fn, param) == "op"
+    with torch.no_grad():
+        assert _dispatch.run_op(op, fn, x, leaf, param) == "fn"
+    with torch.inference_mode():
+        assert _dispatch.run_op(op, fn, x) == "fn"
+
+    class Sub(torch.Tensor):
+        pass
+
+    with torch.no_grad():
+        assert _dispatch.run_op(op, fn, x.as_subclass(Sub)) == "op"
+    assert torch.func.vmap(lambda t: torch.full((), 1.0 if _dispatch.run_op(op, fn, t) == "op" else 0.0))(
+        torch.randn(2, 3)).tolist() == [1.0, 1.0]
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        assert _dispatch.run_op(op, fn, fwAD.make_dual(x, torch.randn(3))) == "op"
+
+
+def test_no_grad_calls_match_the_op():
+    """The direct path (no grad) gives bit-identical results to the custom op's."""
+    q, k, v = (torch.randn(2, 3, 17, 24) for _ in range(3))
+    x, r, w = torch.randn(5, 40), torch.randn(5, 40), torch.randn(40)
+    calls = [
+        lambda *a: tf.scaled_dot_product_attention(*a[:3], is_causal=True),
+        lambda *a: tf.linear_attention(*a[:3], is_causal=True),
+        lambda *a: tf.layer_norm(a[3], (40,), a[5], residual=a[4])[0],
+        lambda *a: tf.rms_norm(a[3], (40,), a[5]),
+    ]
+    for call in calls:
+        with torch.no_grad():
+            direct = call(q, k, v, x, r, w)
+        through_op = call(*(t.detach().requires_grad_() for t in (q, k, v, x, r, w)))
+        assert torch.equal(direct, through_op.detach())
+
+
+def test_torch_compile_no_grad_keeps_the_op():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: tf.layer_norm(x * 2, (16,), w) + 1, fullgraph=True, backend="aot_eager")
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, w), F.layer_norm(x * 2, (16,), w) + 1, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_reference_attention_matches_torch(is_causal):
     q, k, v = (torch.randn(2, 3, 7, 16, dtype=torch.float64) for _ in range(3))

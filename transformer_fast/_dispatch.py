@@ -8,6 +8,7 @@ Backends:
 
 ``select_backend`` picks one per call; ``kernel`` returns that backend's implementation of a
 kernel-level function. Everything else in the package goes through these two functions.
+``run_op`` decides whether a call goes through its custom op or straight to the op's function.
 """
 from __future__ import annotations
 
@@ -189,3 +190,35 @@ def kernel(name: str, backend: str):
 
         return getattr(_reference_kernels, name)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Calling a custom op
+# --------------------------------------------------------------------------------------------
+# Both private to torch (present since 2.0); where one is missing, every call takes the op.
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+
+
+def _forward_ad_active() -> bool:
+    return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def run_op(op, fn, *args):
+    """``op(*args)``, or ``fn(*args)`` (the function ``op`` was made from) where that computes the
+    same thing: a plain eager call that records no autograd graph. The custom op's Python
+    dispatch (autograd wrapper, schema checks) costs 30-60 us per call, more than the kernels
+    themselves on small inputs (a decoding step, LayerNorm over a few rows; benchmarks/NOTES.md).
+
+    The op is kept under torch.compile (it traces the op), when some input requires grad with
+    grad mode on, inside torch.func transforms (vmap, grad, jvp) or forward-mode AD (which the
+    op rejects rather than dropping tangents), and for tensor subclasses and fake tensors."""
+    if torch.compiler.is_compiling() or _functorch_transforms_active() or _forward_ad_active():
+        return op(*args)
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSOR_TYPES or (grad and a.requires_grad)):
+            return op(*args)
+    return fn(*args)

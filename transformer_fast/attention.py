@@ -30,17 +30,20 @@ from ._validation import (broadcast_attn_mask, check_dim, check_head_dim, check_
 # Custom ops: the backend is resolved by the caller and passed in, so the backward runs the
 # same backend as the forward.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("transformer_fast::attention_forward", mutates_args=())
-def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
-                          is_causal: bool, scale: float, dropout_p: float, seed: int,
-                          backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
+                       is_causal: bool, scale: float, dropout_p: float, seed: int,
+                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, Nq, _ = q.shape
     if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
         out = q.new_zeros(B, H, Nq, v.shape[-1])
         return out, torch.full((B, H, Nq), float("inf"), dtype=torch.float32, device=q.device)
     return _dispatch.kernel("attention_forward", backend)(
         q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+
+
+_attention_forward_op = torch.library.custom_op(
+    "transformer_fast::attention_forward", _attention_forward, mutates_args=())
 
 
 @_attention_forward_op.register_fake
@@ -180,6 +183,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          for t in (query, key, value))
     backend = _dispatch.select_backend(query.device, query.dtype, backend)
     scale = float(D ** -0.5 if scale is None else scale)
-    out, _ = _attention_forward_op(query, key, value, attn_mask, key_padding_mask, bool(is_causal), scale,
-                                   float(dropout_p), _dropout_seed(dropout_p), backend)
+    out, _ = _dispatch.run_op(_attention_forward_op, _attention_forward, query, key, value, attn_mask,
+                              key_padding_mask, bool(is_causal), scale, float(dropout_p),
+                              _dropout_seed(dropout_p), backend)
     return out

@@ -30,15 +30,18 @@ def _empty(ref):
     return ref.new_empty(0)
 
 
-@torch.library.custom_op("transformer_fast::layer_norm_forward", mutates_args=())
-def _layer_norm_forward_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
-                           bias: Optional[torch.Tensor], eps: float, is_rms: bool,
-                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                        bias: Optional[torch.Tensor], eps: float, is_rms: bool,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
         return (x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)),
                 x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32))
     y, h, mean, rstd = _dispatch.kernel("layer_norm_forward", backend)(x, residual, weight, bias, eps, is_rms)
     return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
+
+
+_layer_norm_forward_op = torch.library.custom_op(
+    "transformer_fast::layer_norm_forward", _layer_norm_forward, mutates_args=())
 
 
 @_layer_norm_forward_op.register_fake
@@ -134,12 +137,16 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
         y = h.clone()
         return y if residual is None else (y, h)
     backend = _dispatch.select_backend(x.device, x.dtype, backend)
-    y, h, _, _ = _layer_norm_forward_op(
-        as_rows(x, width), None if residual is None else as_rows(residual, width),
-        None if weight is None else weight.reshape(width), None if bias is None else bias.reshape(width),
-        float(eps), is_rms, backend)
-    y = y.view(x.shape)
-    return y if residual is None else (y, h.view(x.shape))
+    if len(normalized_shape) > 1:
+        weight = None if weight is None else weight.reshape(width)
+        bias = None if bias is None else bias.reshape(width)
+    y, h, _, _ = _dispatch.run_op(_layer_norm_forward_op, _layer_norm_forward,
+                                  as_rows(x, width), None if residual is None else as_rows(residual, width),
+                                  weight, bias, float(eps), is_rms, backend)
+    if y.shape != x.shape:
+        y = y.view(x.shape)
+        h = h.view(x.shape) if residual is not None else h
+    return y if residual is None else (y, h)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, backend="auto"):

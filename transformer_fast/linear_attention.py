@@ -21,14 +21,17 @@ from . import _dispatch
 from ._validation import check_dim, check_head_dim, check_key_padding_mask, check_same, check_tensor
 
 
-@torch.library.custom_op("transformer_fast::linear_attention_forward", mutates_args=())
-def _linear_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
-                                 backend: str) -> torch.Tensor:
+def _linear_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
+                              backend: str) -> torch.Tensor:
     B, H, Nq, _ = q.shape
     if Nq == 0 or k.shape[2] == 0:  # empty sums: out = 0 / eps = 0
         return q.new_zeros(B, H, Nq, v.shape[-1])
     return _dispatch.kernel("linear_attention_forward", backend)(q, k, v, key_padding_mask, is_causal, eps)
+
+
+_linear_attention_forward_op = torch.library.custom_op(
+    "transformer_fast::linear_attention_forward", _linear_attention_forward, mutates_args=())
 
 
 @_linear_attention_forward_op.register_fake
@@ -97,7 +100,8 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
                          for t in (query, key, value))
     backend = _dispatch.select_backend(query.device, query.dtype, backend)
-    return _linear_attention_forward_op(query, key, value, key_padding_mask, bool(is_causal), float(eps), backend)
+    return _dispatch.run_op(_linear_attention_forward_op, _linear_attention_forward, query, key, value,
+                            key_padding_mask, bool(is_causal), float(eps), backend)
 
 
 class LinearAttentionState(NamedTuple):
