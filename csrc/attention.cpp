@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
@@ -38,6 +39,25 @@ namespace transformer_fast {
 namespace {
 
 using cpu_blas::gemm;
+
+// Per-thread tile buffers start on a cache line. With malloc's 16-byte alignment every 64-byte
+// vector load and store of a tile row straddled two lines: the bf16 forward's row max alone cost
+// as much as a fifth of its tile products (benchmarks/NOTES.md).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using TileBuffer = std::vector<T, CacheLineAllocator<T>>;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -435,7 +455,7 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
   packed.storage = at::empty({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
   const scalar_t* data = t.data_ptr<scalar_t>();
   at::parallel_for(0, t.size(0) * heads * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> scratch(round_up_even(block) * W);
+    TileBuffer<scalar_t> scratch(round_up_even(block) * W);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / packed.n_blocks, n = task % packed.n_blocks;
       const int64_t j0 = n * block, rows = std::min(block, N - j0);
@@ -563,9 +583,9 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed);
-    std::vector<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
-    std::vector<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
-    std::vector<scalar_t> v_packed(packed ? packed_v.size : 0);
+    TileBuffer<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
+    TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
+    TileBuffer<scalar_t> v_packed(packed ? packed_v.size : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
       const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
@@ -720,9 +740,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed);
-    std::vector<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
-    std::vector<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
-    std::vector<scalar_t> PT(packed ? BN * ldT : 0), dST(packed ? BN * ldT : 0), k_packed(packed ? packed_k.size : 0);
+    TileBuffer<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
+    TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
+    TileBuffer<scalar_t> PT(packed ? BN * ldT : 0), dST(packed ? BN * ldT : 0), k_packed(packed ? packed_k.size : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % n_splits, bhk = task / n_splits;
       const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
@@ -850,7 +870,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   scalar_t* dq_data = dq.data_ptr<scalar_t>();
   const int64_t rows = p.B * p.H * p.Nq;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(D);
+    TileBuffer<float> sum(D);
     for (int64_t row = begin; row < end; ++row) {
       std::memcpy(sum.data(), dq_acc_data + row * D, D * sizeof(float));
       for (int64_t s = 1; s < n_splits; ++s) {
