@@ -68,52 +68,82 @@ def test_backend_environment_variable(monkeypatch):
     assert _dispatch.select_backend(torch.device("cpu"), torch.float32, "auto") == "reference"
 
 
-def test_run_op_skips_the_custom_op_only_where_nothing_depends_on_it():
-    """run_op calls the op's function directly only for plain eager calls without autograd."""
+def test_run_op_takes_the_custom_op_only_where_something_depends_on_it():
+    """run_op calls the op's function directly for plain eager calls without autograd, its eager
+    autograd.Function where autograd must record the call, and the op itself otherwise."""
     def op(*args):
         return "op"
 
     def fn(*args):
         return "fn"
 
+    def eager(*args):
+        return "eager"
+
     x = torch.randn(3)
     leaf = torch.randn(3, requires_grad=True)
     param = torch.nn.Parameter(torch.randn(3))
-    assert _dispatch.run_op(op, fn, x, None, 1.0) == "fn"
-    assert _dispatch.run_op(op, fn, x, leaf) == "op"  # autograd must record the op
-    assert _dispatch.run_op(op, fn, param) == "op"
+    assert _dispatch.run_op(op, fn, x, None, 1.0, autograd=eager) == "fn"
+    assert _dispatch.run_op(op, fn, x, leaf, autograd=eager) == "eager"
+    assert _dispatch.run_op(op, fn, param, autograd=eager) == "eager"
+    assert _dispatch.run_op(op, fn, x, leaf) == "op"  # no eager autograd given: the op's own
     with torch.no_grad():
-        assert _dispatch.run_op(op, fn, x, leaf, param) == "fn"
+        assert _dispatch.run_op(op, fn, x, leaf, param, autograd=eager) == "fn"
     with torch.inference_mode():
-        assert _dispatch.run_op(op, fn, x) == "fn"
+        assert _dispatch.run_op(op, fn, x, autograd=eager) == "fn"
 
     class Sub(torch.Tensor):
         pass
 
     with torch.no_grad():
-        assert _dispatch.run_op(op, fn, x.as_subclass(Sub)) == "op"
-    assert torch.func.vmap(lambda t: torch.full((), 1.0 if _dispatch.run_op(op, fn, t) == "op" else 0.0))(
+        assert _dispatch.run_op(op, fn, x.as_subclass(Sub), autograd=eager) == "op"
+    assert torch.func.vmap(lambda t: torch.full((), float(_dispatch.run_op(op, fn, t, autograd=eager) == "op")))(
         torch.randn(2, 3)).tolist() == [1.0, 1.0]
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():
-        assert _dispatch.run_op(op, fn, fwAD.make_dual(x, torch.randn(3))) == "op"
+        assert _dispatch.run_op(op, fn, fwAD.make_dual(x, torch.randn(3)), autograd=eager) == "op"
 
 
-def test_no_grad_calls_match_the_op():
-    """The direct path (no grad) gives bit-identical results to the custom op's."""
+def test_every_call_path_gives_the_same_results():
+    """No grad (the function called directly), eager autograd (eager_autograd's Function) and the
+    custom op with its registered autograd give bit-identical outputs and gradients."""
+    attention = sys.modules["transformer_fast.attention"]
+    norm = sys.modules["transformer_fast.layer_norm"]
+    linear = sys.modules["transformer_fast.linear_attention"]
     q, k, v = (torch.randn(2, 3, 17, 24) for _ in range(3))
     x, r, w = torch.randn(5, 40), torch.randn(5, 40), torch.randn(40)
-    calls = [
-        lambda *a: tf.scaled_dot_product_attention(*a[:3], is_causal=True),
-        lambda *a: tf.linear_attention(*a[:3], is_causal=True),
-        lambda *a: tf.layer_norm(a[3], (40,), a[5], residual=a[4])[0],
-        lambda *a: tf.rms_norm(a[3], (40,), a[5]),
+    pad = torch.zeros(2, 17, dtype=torch.bool)
+    pad[1, 11:] = True
+    cases = [  # (custom op, its function, eager Function, arguments, differentiable argument positions)
+        (attention._attention_forward_op, attention._attention_forward, attention._attention_forward_eager,
+         (q, k, v, None, pad, True, 0.3, 0.0, 0, "cpp"), (0, 1, 2)),
+        (linear._linear_attention_forward_op, linear._linear_attention_forward, linear._linear_attention_forward_eager,
+         (q, k, v, pad, True, 1e-6, "cpp"), (0, 1, 2)),
+        (norm._layer_norm_forward_op, norm._layer_norm_forward, norm._layer_norm_forward_eager,
+         (x, r, w, None, 1e-5, False, "cpp"), (0, 1, 2)),
+        (norm._layer_norm_forward_op, norm._layer_norm_forward, norm._layer_norm_forward_eager,
+         (x, None, w, None, 1e-5, True, "cpp"), (0, 2)),
     ]
-    for call in calls:
+    for op, fn, eager, args, diff in cases:
+        def prepared():
+            return [a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) and
+                    a.is_floating_point() else a for i, a in enumerate(args)]
+
+        def first(out):
+            return out[0] if isinstance(out, tuple) else out
+
         with torch.no_grad():
-            direct = call(q, k, v, x, r, w)
-        through_op = call(*(t.detach().requires_grad_() for t in (q, k, v, x, r, w)))
-        assert torch.equal(direct, through_op.detach())
+            direct = first(_dispatch.run_op(op, fn, *prepared(), autograd=eager))
+        results = []
+        for call in (lambda a: _dispatch.run_op(op, fn, *a, autograd=eager), lambda a: op(*a)):
+            a = prepared()
+            out = first(call(a))
+            dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+            out.backward(dout)
+            results.append([out.detach()] + [a[i].grad for i in diff])
+        assert torch.equal(direct, results[0][0]), op
+        for got, expected in zip(results[0], results[1]):
+            assert torch.equal(got, expected), op
 
 
 def test_torch_compile_no_grad_keeps_the_op():

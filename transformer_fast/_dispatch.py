@@ -206,19 +206,44 @@ def _forward_ad_active() -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def run_op(op, fn, *args):
-    """``op(*args)``, or ``fn(*args)`` (the function ``op`` was made from) where that computes the
-    same thing: a plain eager call that records no autograd graph. The custom op's Python
-    dispatch (autograd wrapper, schema checks) costs 30-60 us per call, more than the kernels
-    themselves on small inputs (a decoding step, LayerNorm over a few rows; benchmarks/NOTES.md).
+def eager_autograd(fn, setup_context, backward):
+    """An autograd.Function running ``fn`` with the autograd formula registered on its custom op
+    (the same ``setup_context`` and ``backward``), for run_op: in eager mode it records the same
+    graph node as the op, for a fifth of the op's Python overhead (~25 us against ~100 us)."""
+    class _EagerOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output = fn(*args)
+            setup_context(ctx, args, output)
+            return output
 
-    The op is kept under torch.compile (it traces the op), when some input requires grad with
-    grad mode on, inside torch.func transforms (vmap, grad, jvp) or forward-mode AD (which the
-    op rejects rather than dropping tangents), and for tensor subclasses and fake tensors."""
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    _EagerOp.__name__ = _EagerOp.__qualname__ = f"{fn.__name__.lstrip('_')}_eager"
+    return _EagerOp.apply
+
+
+def run_op(op, fn, *args, autograd=None):
+    """Runs custom op ``op`` on ``args``, or, where that computes the same thing for less Python
+    overhead, the function ``fn`` it was made from: directly when no autograd graph is recorded,
+    or through ``autograd`` (from eager_autograd) when one is. The op's dispatch (autograd
+    wrapper, schema checks) costs 30-100 us per call, more than the kernels on small inputs (a
+    decoding step, LayerNorm over a few rows; benchmarks/NOTES.md).
+
+    The op itself runs under torch.compile (which traces the op), inside torch.func transforms
+    (vmap, grad, jvp) and forward-mode AD (which the op rejects rather than dropping tangents),
+    for tensor subclasses and fake tensors, and where an input needs grad but no ``autograd`` is
+    given (a backward op under double backward)."""
     if torch.compiler.is_compiling() or _functorch_transforms_active() or _forward_ad_active():
         return op(*args)
-    grad = torch.is_grad_enabled()
+    needs_grad = False
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSOR_TYPES or (grad and a.requires_grad)):
-            return op(*args)
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN_TENSOR_TYPES:
+                return op(*args)
+            needs_grad = needs_grad or a.requires_grad
+    if needs_grad and torch.is_grad_enabled():
+        return op(*args) if autograd is None else autograd(*args)
     return fn(*args)

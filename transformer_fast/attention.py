@@ -52,16 +52,19 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, b
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
 
-@torch.library.custom_op("transformer_fast::attention_backward", mutates_args=())
-def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                           key_padding_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                           dropout_p: float, seed: int,
-                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                        key_padding_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+                        dropout_p: float, seed: int,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[2] == 0 or k.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _dispatch.kernel("attention_backward", backend)(
         dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+
+
+_attention_backward_op = torch.library.custom_op(
+    "transformer_fast::attention_backward", _attention_backward, mutates_args=())
 
 
 @_attention_backward_op.register_fake
@@ -104,7 +107,8 @@ def _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_cau
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, attn_mask, key_padding_mask, *ctx.args)
+    dq, dk, dv = _dispatch.run_op(_attention_backward_op, _attention_backward, dout, q, k, v, out, lse, attn_mask,
+                                  key_padding_mask, *ctx.args)
     dmask = None
     if ctx.needs_input_grad[3]:  # a float attn_mask that requires grad (e.g. a learned position bias)
         is_causal, scale = ctx.args[:2]
@@ -114,6 +118,7 @@ def _backward(ctx, dout, _dlse):
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_forward_eager = _dispatch.eager_autograd(_attention_forward, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,5 +190,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = float(D ** -0.5 if scale is None else scale)
     out, _ = _dispatch.run_op(_attention_forward_op, _attention_forward, query, key, value, attn_mask,
                               key_padding_mask, bool(is_causal), scale, float(dropout_p),
-                              _dropout_seed(dropout_p), backend)
+                              _dropout_seed(dropout_p), backend, autograd=_attention_forward_eager)
     return out

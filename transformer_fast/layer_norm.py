@@ -52,11 +52,10 @@ def _(x, residual, weight, bias, eps, is_rms, backend):
     return x.new_empty(x.shape), h, mean, x.new_empty(M, dtype=torch.float32)
 
 
-@torch.library.custom_op("transformer_fast::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
-                            weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], mean: torch.Tensor,
-                            rstd: torch.Tensor, eps: float, is_rms: bool,
-                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_backward(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
+                         weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], mean: torch.Tensor,
+                         rstd: torch.Tensor, eps: float, is_rms: bool,
+                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if h.shape[0] == 0:
         dw = torch.zeros_like(weight) if weight is not None else _empty(h)
         db = torch.zeros_like(bias) if bias is not None else _empty(h)
@@ -64,6 +63,10 @@ def _layer_norm_backward_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: tor
     dx, dweight, dbias = _dispatch.kernel("layer_norm_backward", backend)(
         dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
     return dx, (_empty(h) if dweight is None else dweight), (_empty(h) if dbias is None else dbias)
+
+
+_layer_norm_backward_op = torch.library.custom_op(
+    "transformer_fast::layer_norm_backward", _layer_norm_backward, mutates_args=())
 
 
 @_layer_norm_backward_op.register_fake
@@ -92,12 +95,14 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, bias, mean, rstd = ctx.saved_tensors
     dy = _unit_row_stride(dy)
     dh = _unit_row_stride(dh) if ctx.has_residual else None
-    dx, dweight, dbias = _layer_norm_backward_op(dy, dh, h, weight, bias, mean, rstd, *ctx.args)
+    dx, dweight, dbias = _dispatch.run_op(_layer_norm_backward_op, _layer_norm_backward, dy, dh, h, weight, bias,
+                                          mean, rstd, *ctx.args)
     return (dx, dx if ctx.has_residual else None, dweight if weight is not None else None,
             dbias if bias is not None else None, None, None, None)
 
 
 _layer_norm_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_layer_norm_forward_eager = _dispatch.eager_autograd(_layer_norm_forward, _setup_context, _backward)
 
 
 def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend):
@@ -142,7 +147,8 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
         bias = None if bias is None else bias.reshape(width)
     y, h, _, _ = _dispatch.run_op(_layer_norm_forward_op, _layer_norm_forward,
                                   as_rows(x, width), None if residual is None else as_rows(residual, width),
-                                  weight, bias, float(eps), is_rms, backend)
+                                  weight, bias, float(eps), is_rms, backend,
+                                  autograd=_layer_norm_forward_eager)
     if y.shape != x.shape:
         y = y.view(x.shape)
         h = h.view(x.shape) if residual is not None else h

@@ -40,13 +40,16 @@ def _(q, k, v, key_padding_mask, is_causal, eps, backend):
     return q.new_empty(B, H, Nq, v.shape[-1])
 
 
-@torch.library.custom_op("transformer_fast::linear_attention_backward", mutates_args=())
-def _linear_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
-                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
+                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     return _dispatch.kernel("linear_attention_backward", backend)(dout, q, k, v, key_padding_mask, is_causal, eps)
+
+
+_linear_attention_backward_op = torch.library.custom_op(
+    "transformer_fast::linear_attention_backward", _linear_attention_backward, mutates_args=())
 
 
 @_linear_attention_backward_op.register_fake
@@ -63,11 +66,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout):
     q, k, v, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = _linear_attention_backward_op(dout, q, k, v, key_padding_mask, *ctx.args)
+    dq, dk, dv = _dispatch.run_op(_linear_attention_backward_op, _linear_attention_backward, dout, q, k, v,
+                                  key_padding_mask, *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 
 _linear_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_linear_attention_forward_eager = _dispatch.eager_autograd(_linear_attention_forward, _setup_context, _backward)
 
 
 def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, backend="auto"):
@@ -101,7 +106,8 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
                          for t in (query, key, value))
     backend = _dispatch.select_backend(query.device, query.dtype, backend)
     return _dispatch.run_op(_linear_attention_forward_op, _linear_attention_forward, query, key, value,
-                            key_padding_mask, bool(is_causal), float(eps), backend)
+                            key_padding_mask, bool(is_causal), float(eps), backend,
+                            autograd=_linear_attention_forward_eager)
 
 
 class LinearAttentionState(NamedTuple):
