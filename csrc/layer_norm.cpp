@@ -466,7 +466,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "layer_norm_backward: bias must have shape (", N, ",)");
   }
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
-  const int64_t num_blocks = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
+  // A block of rows per thread, but at least ~32K elements per block: for small inputs a parallel
+  // region costs more than the work.
+  const int64_t num_blocks =
+      std::max<int64_t>(1, std::min<int64_t>({M, at::get_num_threads(), M * N / (int64_t{1} << 15)}));
   const auto fopts = h.options().dtype(at::kFloat);
   at::Tensor dw_partial = w.defined() ? at::zeros({num_blocks, padded}, fopts) : at::Tensor();
   at::Tensor db_partial = has_bias ? at::zeros({num_blocks, padded}, fopts) : at::Tensor();
