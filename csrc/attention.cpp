@@ -101,7 +101,8 @@ inline void convert_row(const float* src, T* dst, int64_t n) {
 // at::vec's exp_u20, measured at up to 3 ulp). With AVX-512: n = round(x / ln 2), r = x - n ln 2
 // (ln 2 in two parts, so r is exact to ~1e-10), e^r from its Taylor polynomial of degree 7 (error
 // below 1e-8 for |r| <= ln(2) / 2), scaled by 2^n with vscalefps: 14 instructions against
-// exp_u20's 19, and the exp pass is most of the bf16 forward's own time. -inf and NaN give 0.
+// exp_u20's 19, and the exp pass is most of the bf16 forward's own time. -inf gives 0; NaN stays
+// NaN (a NaN input must show in the output, not vanish as a zero probability).
 inline Vec exp_softmax(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 xv = x;
@@ -117,10 +118,11 @@ inline Vec exp_softmax(const Vec& x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  // Denormal results would take microcode assists (slow): 0 instead.
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, n);
+  // Denormal results would take microcode assists (slow): 0 instead. (NaN compares unordered:
+  // kept.)
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.f), _CMP_NLT_UQ), p, n);
 #else
-  return x.exp_u20();
+  return Vec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 makes NaN inf
 #endif
 }
 
@@ -693,7 +695,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
       scalar_t* o = out_data + (bh * p.Nq + i0) * Dv;
       for (int64_t r = 0; r < bm; ++r) {
         float* a = acc.data() + r * Dv;
-        if (l[r] > 0.f) {
+        if (l[r] != 0.f) {  // (NaN too: a NaN score makes the row NaN, as it should)
           scale_row(a, Dv, 1.f / l[r]);
           lse_data[bh * p.Nq + i0 + r] = m[r] + std::log(l[r]);
         } else {  // no allowed key: 0, and exp(s - lse) = 0 in the backward

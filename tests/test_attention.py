@@ -217,6 +217,26 @@ def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, "packed"),
+                                            (torch.bfloat16, "unpacked")], ids=["float32", "bf16-packed", "bf16-unpacked"])
+def test_nan_in_a_query_shows_in_its_row_only(backend, dtype, products, monkeypatch):
+    """A NaN in an (unmasked) query makes that query's output NaN, as in PyTorch, and leaves the
+    other rows alone: a NaN score must not turn into a zero probability."""
+    _need(backend)
+    if products is not None:
+        monkeypatch.setenv("TRANSFORMER_FAST_PACK_MIN_ROWS", "0" if products == "packed" else "1000000000")
+    B, H, Nq, Nk, D = 2, 2, 70, 300, 64
+    q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
+    q[1, 0, 33, 7] = float("nan")
+    out = tf.scaled_dot_product_attention(q, k, v, backend=backend)
+    row_has_nan = torch.isnan(out).any(-1)
+    expected = torch.zeros_like(row_has_nan)
+    expected[1, 0, 33] = True
+    assert torch.equal(row_has_nan, expected)
+    assert torch.isnan(out[1, 0, 33]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_log_sum_exp(backend):
     """The kernel-level lse: the row's log-sum-exp of the scaled masked scores, +inf for rows
     with no allowed key."""

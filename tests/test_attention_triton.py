@@ -167,6 +167,18 @@ def test_nan_in_padded_and_out_of_range_keys_does_not_leak(dtype):
     check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nan_in_a_query_shows_in_its_row_only(dtype):
+    """A NaN in an (unmasked) query makes that query's output NaN, as in PyTorch, and no other's."""
+    q, k, v = make_qkv(2, 2, 20, 40, 16, dtype=dtype, device=_device())
+    q[1, 0, 7, 3] = float("nan")
+    out = tf.scaled_dot_product_attention(q, k, v, backend="triton")
+    expected = torch.zeros(2, 2, 20, dtype=torch.bool, device=out.device)
+    expected[1, 0, 7] = True
+    assert torch.equal(torch.isnan(out).any(-1), expected)
+    assert torch.isnan(out[1, 0, 7]).all()
+
+
 def test_reruns_are_bit_identical():
     q, k, v = make_qkv(2, 4, 40, 40, 16, Hk=2, dtype=torch.float16, device=_device())
     mask = random_attn_mask((2, 1, 40, 40), "float", dtype=torch.float16, device=_device())
