@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -144,6 +145,19 @@ def test_every_call_path_gives_the_same_results():
         assert torch.equal(direct, results[0][0]), op
         for got, expected in zip(results[0], results[1]):
             assert torch.equal(got, expected), op
+
+
+def test_jit_trace_records_the_op():
+    """torch.jit.trace must record the op (without grad too), not bake its output into the graph."""
+    def fn(x, w):
+        return tf.layer_norm(x * 2, (16,), w)
+
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer warns about Python values it cannot see
+        traced = torch.jit.trace(fn, (x, w), check_trace=False)
+        other = torch.randn(4, 16)
+        torch.testing.assert_close(traced(other, w), fn(other, w))
 
 
 def test_torch_compile_no_grad_keeps_the_op():

@@ -232,11 +232,13 @@ def run_op(op, fn, *args, autograd=None):
     wrapper, schema checks) costs 30-100 us per call, more than the kernels on small inputs (a
     decoding step, LayerNorm over a few rows; benchmarks/NOTES.md).
 
-    The op itself runs under torch.compile (which traces the op), inside torch.func transforms
-    (vmap, grad, jvp) and forward-mode AD (which the op rejects rather than dropping tangents),
-    for tensor subclasses and fake tensors, and where an input needs grad but no ``autograd`` is
-    given (a backward op under double backward)."""
-    if torch.compiler.is_compiling() or _functorch_transforms_active() or _forward_ad_active():
+    The op itself runs under torch.compile and torch.jit.trace (which must record the op, not
+    bake its result into the graph), inside torch.func transforms (vmap, grad, jvp) and
+    forward-mode AD (which the op rejects rather than dropping tangents), for tensor subclasses
+    and fake tensors, and where an input needs grad but no ``autograd`` is given (a backward op
+    under double backward)."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _functorch_transforms_active()
+            or _forward_ad_active()):
         return op(*args)
     needs_grad = False
     for a in args:
