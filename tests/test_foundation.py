@@ -160,6 +160,26 @@ def test_jit_trace_records_the_op():
         torch.testing.assert_close(traced(other, w), fn(other, w))
 
 
+def test_dispatch_modes_see_the_op():
+    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) sees our op, not the ATen calls
+    inside the kernel, also where the call would otherwise skip the op (no grad)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with torch.no_grad(), Recorder() as recorder:
+        tf.layer_norm(x, (16,), w)
+    assert any("transformer_fast.layer_norm_forward" in name for name in recorder.seen), recorder.seen
+
+
 def test_torch_compile_no_grad_keeps_the_op():
     torch._dynamo.reset()
     fn = torch.compile(lambda x, w: tf.layer_norm(x * 2, (16,), w) + 1, fullgraph=True, backend="aot_eager")

@@ -203,6 +203,13 @@ def _forward_ad_active() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0
 
 
+def _python_modes_active() -> bool:
+    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) or TorchFunctionMode is on: it
+    must see the op, not the ATen calls inside a kernel."""
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)()
+    return dispatch_modes > 0 or getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)()
+
+
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -234,11 +241,11 @@ def run_op(op, fn, *args, autograd=None):
 
     The op itself runs under torch.compile and torch.jit.trace (which must record the op, not
     bake its result into the graph), inside torch.func transforms (vmap, grad, jvp) and
-    forward-mode AD (which the op rejects rather than dropping tangents), for tensor subclasses
-    and fake tensors, and where an input needs grad but no ``autograd`` is given (a backward op
-    under double backward)."""
+    forward-mode AD (which the op rejects rather than dropping tangents), under Python dispatch
+    or function modes, for tensor subclasses and fake tensors, and where an input needs grad but
+    no ``autograd`` is given (a backward op under double backward)."""
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _functorch_transforms_active()
-            or _forward_ad_active()):
+            or _forward_ad_active() or _python_modes_active()):
         return op(*args)
     needs_grad = False
     for a in args:
