@@ -230,7 +230,8 @@ at::Tensor padded_float(const std::optional<at::Tensor>& t, int64_t N, const cha
   TORCH_CHECK(t->dim() == 1 && t->size(0) == N, "layer_norm: ", name, " must have shape (", N, ",), got ",
               t->sizes());
   TORCH_CHECK(t->device().is_cpu(), "layer_norm: ", name, " must be a CPU tensor, got ", t->device());
-  // Used in place when no padding or conversion is needed (a copy costs small calls ~5 us).
+  // Used in place when no padding or conversion is needed: the zero-fill and copy cost ~12 us per
+  // parameter, which on 8 x 512 rows was most of the call (benchmarks/NOTES.md).
   if (N % kStep == 0 && t->scalar_type() == at::kFloat && t->is_contiguous()) return *t;
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
   at::Tensor out = at::zeros({padded}, t->options().dtype(at::kFloat));
