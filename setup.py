@@ -32,11 +32,15 @@ def extension_modules():
         print("transformer_fast: torch is not importable at build time; the C++ extension "
               "will be JIT-built on first use", file=sys.stderr)
         return [], {}
-    sources = [os.path.relpath(p, ROOT) for p in build_config["source_paths"](os.path.join(ROOT, "csrc"))]
-    ext = cpp_extension.CppExtension(
+    cuda = build_config["with_cuda"]()  # torch with CUDA and nvcc: add the CUDA kernels
+    sources = [os.path.relpath(p, ROOT) for p in build_config["source_paths"](os.path.join(ROOT, "csrc"), cuda)]
+    flags = {"cxx": build_config["extra_cflags"](cuda)}
+    if cuda:
+        flags["nvcc"] = build_config["extra_cuda_cflags"]()
+    ext = (cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension)(
         "transformer_fast._C",
         sources,
-        extra_compile_args={"cxx": build_config["extra_cflags"]()},
+        extra_compile_args=flags,
         extra_link_args=build_config["extra_ldflags"](),
     )
     return [ext], {"build_ext": _optional_build_ext(cpp_extension.BuildExtension)}
@@ -76,7 +80,7 @@ setup(
     python_requires=">=3.9",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"transformer_fast.csrc": ["*.cpp", "*.h"]},
+    package_data={"transformer_fast.csrc": ["*.cpp", "*.h", "*.cu", "*.cuh"]},
     # A range that the CPU wheel 2.13 satisfies; install torch first so pip never picks a CUDA build.
     install_requires=["torch>=2.4,<2.15", "numpy"],
     extras_require={

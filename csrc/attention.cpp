@@ -14,6 +14,7 @@
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
+#include "attention.h"
 #include "cpu_blas.h"
 #include "ops.h"
 
@@ -234,93 +235,6 @@ inline void p_and_ds(float* s, float* dp, int64_t n, float mult, float lse, floa
 
 inline void scale_row(float* x, int64_t n, float s) {
   at::vec::map([s](Vec a) { return a * Vec(s); }, x, x, n);
-}
-
-// ---- dropout: a counter-based hash of (seed, batch, head, query, key), so the backward
-// regenerates the forward's keep mask without storing it.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-struct Dropout {
-  float p = 0.f;
-  float inv_keep = 1.f;
-  uint32_t threshold = 0;  // keep iff the 24-bit hash >= threshold
-  uint64_t seed = 0;
-  bool active() const { return p > 0.f; }
-  uint64_t row_key(int64_t bh, int64_t Nq, int64_t i) const {
-    return mix64(seed ^ mix64(static_cast<uint64_t>(bh * Nq + i) + 0x632BE59BD9B4E019ULL));
-  }
-  // factor[c] = inv_keep if key j0 + c is kept for this row, else 0.
-  void factors(uint64_t key, int64_t j0, int64_t n, float* factor) const {
-    for (int64_t c = 0; c < n; ++c) {
-      const uint64_t h = mix64(key + static_cast<uint64_t>(j0 + c) * 0x9E3779B97F4A7C15ULL);
-      factor[c] = static_cast<uint32_t>(h >> 40) >= threshold ? inv_keep : 0.f;
-    }
-  }
-};
-
-Dropout make_dropout(double p, int64_t seed) {
-  Dropout d;
-  d.p = static_cast<float>(p);
-  if (p > 0) {
-    d.inv_keep = static_cast<float>(1.0 / (1.0 - p));
-    d.threshold = static_cast<uint32_t>(std::min(std::ceil(p * 16777216.0), 16777216.0));
-    d.seed = mix64(static_cast<uint64_t>(seed));
-  }
-  return d;
-}
-
-// Everything about the problem that both passes share.
-struct Problem {
-  int64_t B, H, Hk, Nq, Nk, D, Dv;
-  bool causal;
-  float scale;
-  // attn_mask: (B, H, Nq, Nk) view, element strides; nullptr when absent.
-  const void* mask = nullptr;
-  bool mask_is_bool = false;
-  int64_t msb = 0, msh = 0, msm = 0, msn = 0;
-  // key padding: (B, Nk), 1 = padded; nullptr when absent.
-  const bool* pad = nullptr;
-  Dropout dropout;
-};
-
-Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const std::optional<at::Tensor>& attn_mask, const at::Tensor& pad_contig, bool is_causal,
-                     double scale, double dropout_p, int64_t seed) {
-  Problem p;
-  p.B = q.size(0);
-  p.H = q.size(1);
-  p.Nq = q.size(2);
-  p.D = q.size(3);
-  p.Hk = k.size(1);
-  p.Nk = k.size(2);
-  p.Dv = v.size(3);
-  p.causal = is_causal;
-  p.scale = static_cast<float>(scale);
-  if (attn_mask.has_value() && attn_mask->defined()) {
-    const at::Tensor& m = *attn_mask;
-    TORCH_CHECK(m.dim() == 4 && m.size(0) == p.B && m.size(1) == p.H && m.size(2) == p.Nq && m.size(3) == p.Nk,
-                "attn_mask must be a (B, H, Nq, Nk) = (", p.B, ", ", p.H, ", ", p.Nq, ", ", p.Nk,
-                ") view, got shape ", m.sizes());
-    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type(),
-                "attn_mask must be bool or have the query's dtype ", q.scalar_type(), ", got ", m.scalar_type());
-    p.mask = m.data_ptr();
-    p.mask_is_bool = m.scalar_type() == at::kBool;
-    p.msb = m.stride(0);
-    p.msh = m.stride(1);
-    p.msm = m.stride(2);
-    p.msn = m.stride(3);
-  }
-  if (pad_contig.defined()) {
-    TORCH_CHECK(pad_contig.dim() == 2 && pad_contig.size(0) == p.B && pad_contig.size(1) == p.Nk,
-                "key_padding_mask must have shape (B, Nk) = (", p.B, ", ", p.Nk, "), got ", pad_contig.sizes());
-    p.pad = pad_contig.data_ptr<bool>();
-  }
-  p.dropout = make_dropout(dropout_p, seed);
-  return p;
 }
 
 // Status of each key block of each batch under the padding mask: (B, ceil(Nk / block)).
@@ -925,7 +839,12 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 }
 
 void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), fn, ": CPU tensors expected");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn, ": q, k, v must be on one device");
+#if defined(TRANSFORMER_FAST_WITH_CUDA)
+  TORCH_CHECK(q.device().is_cpu() || q.device().is_cuda(), fn, ": CPU or CUDA tensors expected, got ", q.device());
+#else
+  TORCH_CHECK(q.device().is_cpu(), fn, ": CPU tensors expected (this build has no CUDA kernels), got ", q.device());
+#endif
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-D");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
               ": q, k, v must share a dtype");
@@ -972,6 +891,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     lse.fill_(kInf);
     return {out, lse};
   }
+#if defined(TRANSFORMER_FAST_WITH_CUDA)
+  if (q.is_cuda()) {
+    attention_fwd_cuda(p, q, k, v, out, lse);
+    return {out, lse};
+  }
+#endif
   dispatch_dtype("attention_forward", q.scalar_type(), [&](auto tag) {
     attention_fwd_kernel<decltype(tag)>(p, q, k, v, out, lse);
   });
@@ -999,6 +924,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     dv.zero_();
     return {dq, dk, dv};
   }
+#if defined(TRANSFORMER_FAST_WITH_CUDA)
+  if (q.is_cuda()) {
+    attention_bwd_cuda(p, dout, q, k, v, out, lse, dq, dk, dv);
+    return {dq, dk, dv};
+  }
+#endif
   dispatch_dtype("attention_backward", q.scalar_type(), [&](auto tag) {
     attention_bwd_kernel<decltype(tag)>(p, dout, q, k, v, out, lse, dq, dk, dv);
   });

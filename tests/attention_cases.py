@@ -1,4 +1,6 @@
 """Input builders and the check shared by the softmax-attention tests of every backend."""
+import functools
+
 import torch
 
 import transformer_fast as tf
@@ -44,14 +46,16 @@ def random_attn_mask(shape, kind, *, dtype=torch.float32, device="cpu"):
 
 
 def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                    grads=True, atol=None):
+                    grads=True, atol=None, attention=None):
     """Output (and q, k, v gradients) of tf.scaled_dot_product_attention on `backend` against the
-    float64 reference, with the package's comparison policy."""
+    float64 reference, with the package's comparison policy. `attention`: another function with
+    its signature to check instead (`backend` then only names it in messages)."""
     gqa = k.shape[1] != q.shape[1]
+    attention = attention or functools.partial(tf.scaled_dot_product_attention, backend=backend)
 
     def kernel(q, k, v):
-        return tf.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                               enable_gqa=gqa, key_padding_mask=key_padding_mask, backend=backend)
+        return attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa,
+                         key_padding_mask=key_padding_mask)
 
     def ref(q, k, v):
         mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
@@ -94,3 +98,32 @@ def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_
     dk = (ds.transpose(-2, -1) @ qf * scale).unflatten(1, (Hk, group)).sum(dim=2)
     dv = (p.transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+# The full grid on a GPU: every length pair for a head dim, dtype and causality; batch, heads,
+# GQA, layout, padding, masks and the value head dim rotate across the cases.
+GPU_LENGTHS = [(1, 1), (17, 17), (64, 64), (129, 129), (300, 300), (1, 300), (17, 129), (300, 64), (129, 17)]
+GPU_HEAD_DIMS = [16, 40, 64, 80, 128, 256]
+
+
+def check_gpu_grid(backend, D, dtype, is_causal):
+    for i, (Nq, Nk) in enumerate(GPU_LENGTHS):
+        case = 2 * i + 1 + int(is_causal)
+        B = (1, 3)[case % 2]
+        H, Hk = ((1, 1), (4, 4), (4, 2), (4, 1))[case % 4]
+        layout = ("bhnd", "bnhd", "qkv")[case % 3] if (Nq == Nk and Hk == H) else ("bhnd", "bnhd")[case % 2]
+        Dv = D if layout == "qkv" or case % 5 else max(1, D // 2 + 3)
+        q, k, v = make_qkv(B, H, Nq, Nk, D, Dv=Dv, Hk=Hk, dtype=dtype, layout=layout, device="cuda")
+        pad = random_key_padding(B, Nk, fully_padded_row=0 if B > 1 and case % 3 == 0 else None,
+                                 device="cuda") if case % 3 != 1 else None
+        mask = None
+        if case % 4 == 2:
+            mask = random_attn_mask((Nq, Nk), "bool", device="cuda")
+        elif case % 4 == 3:
+            mask = random_attn_mask((B, 1, Nq, Nk), "float", dtype=dtype, device="cuda")
+        try:
+            check_attention(backend, q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal)
+        except AssertionError as exc:
+            raise AssertionError(f"B={B} H={H} Hk={Hk} Nq={Nq} Nk={Nk} D={D} Dv={Dv} causal={is_causal} "
+                                 f"layout={layout} pad={pad is not None} mask={None if mask is None else mask.dtype}"
+                                 f": {exc}") from exc

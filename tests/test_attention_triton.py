@@ -11,7 +11,8 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, make_qkv, random_attn_mask,
+                             random_key_padding)
 
 pytestmark = pytest.mark.triton
 ops = torch.ops.transformer_fast
@@ -253,38 +254,14 @@ def test_dropout_is_deterministic_per_seed():
 # ------------------------------------------------------------------------------------------
 # The full grid on a GPU
 # ------------------------------------------------------------------------------------------
-_GPU_LENGTHS = [(1, 1), (17, 17), (64, 64), (129, 129), (300, 300), (1, 300), (17, 129), (300, 64), (129, 17)]
-_GPU_HEAD_DIMS = [16, 40, 64, 80, 128, 256]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", _GPU_HEAD_DIMS)
+@pytest.mark.parametrize("D", GPU_HEAD_DIMS)
 def test_gpu_full_grid(D, dtype, is_causal):
-    """Every length pair for this head dim, dtype and causality; batch, heads, GQA, layout,
-    padding, masks and the value head dim rotate across the cases. (Split by causality so that
-    pytest-xdist can spread the compile-bound grid over more workers.)"""
-    for i, (Nq, Nk) in enumerate(_GPU_LENGTHS):
-        case = 2 * i + 1 + int(is_causal)
-        B = (1, 3)[case % 2]
-        H, Hk = ((1, 1), (4, 4), (4, 2), (4, 1))[case % 4]
-        layout = ("bhnd", "bnhd", "qkv")[case % 3] if (Nq == Nk and Hk == H) else ("bhnd", "bnhd")[case % 2]
-        Dv = D if layout == "qkv" or case % 5 else max(1, D // 2 + 3)
-        q, k, v = make_qkv(B, H, Nq, Nk, D, Dv=Dv, Hk=Hk, dtype=dtype, layout=layout, device="cuda")
-        pad = random_key_padding(B, Nk, fully_padded_row=0 if B > 1 and case % 3 == 0 else None,
-                                 device="cuda") if case % 3 != 1 else None
-        mask = None
-        if case % 4 == 2:
-            mask = random_attn_mask((Nq, Nk), "bool", device="cuda")
-        elif case % 4 == 3:
-            mask = random_attn_mask((B, 1, Nq, Nk), "float", dtype=dtype, device="cuda")
-        try:
-            check_attention("triton", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal)
-        except AssertionError as exc:
-            raise AssertionError(f"B={B} H={H} Hk={Hk} Nq={Nq} Nk={Nk} D={D} Dv={Dv} causal={is_causal} "
-                                 f"layout={layout} pad={pad is not None} mask={None if mask is None else mask.dtype}"
-                                 f": {exc}") from exc
+    """Every length pair for this head dim, dtype and causality (attention_cases.check_gpu_grid). (Split
+    by causality so that pytest-xdist can spread the compile-bound grid over more workers.)"""
+    check_gpu_grid("triton", D, dtype, is_causal)
 
 
 def _tile_of(config):

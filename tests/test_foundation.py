@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_fast as tf
-from transformer_fast import _dispatch, reference
+from transformer_fast import _build_config, _dispatch, reference
 
 
 def test_kernels_installed_inside_the_package_only(tmp_path):
@@ -62,6 +62,25 @@ def test_select_backend():
         _dispatch.select_backend(cpu, torch.float32, "cuda-magic")
     with pytest.raises(RuntimeError, match="unavailable"):
         _dispatch.select_backend(cpu, torch.float64, "cpp")
+
+
+def test_cpp_backend_on_cuda_tensors_only_for_its_cuda_families():
+    """The C++ extension takes CUDA tensors for the families it was built with CUDA kernels for
+    (attention, where torch has CUDA), and names them when it cannot."""
+    module, reason = _dispatch._load_cpp()
+    if reason is not None:
+        pytest.skip(f"cpp backend unavailable: {reason}")
+    cuda = torch.device("cuda")
+    families = module.cuda_families()
+    assert set(families) <= {"attention"}
+    assert families == (["attention"] if _build_config.with_cuda() else [])
+    for family in ("attention", "layer_norm", "linear_attention"):
+        reason = _dispatch._unavailable_reason("cpp", cuda, torch.float16, family)
+        if family in families:
+            assert reason is None
+        else:
+            assert "CPU tensors only" in reason and (", ".join(families) or "none in this build") in reason
+    assert _dispatch._unavailable_reason("cpp", cuda, torch.float16, None) is not None
 
 
 def test_backend_environment_variable(monkeypatch):

@@ -8,18 +8,39 @@ import platform
 
 # One translation unit per kernel family plus the bindings: the build is ~30 s a file on two cores.
 SOURCES = ("attention.cpp", "layer_norm.cpp", "linear_attention.cpp", "bindings.cpp")
+# CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
+CUDA_SOURCES = ("attention_cuda.cu",)
+CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"
 
 
-def source_paths(csrc_dir):
-    return [os.path.join(csrc_dir, name) for name in SOURCES]
+def with_cuda():
+    """Whether the build includes the CUDA kernels: torch was built with CUDA and nvcc is found
+    (torch's CUDA_HOME). TRANSFORMER_FAST_NO_CUDA=1 leaves them out."""
+    if os.environ.get("TRANSFORMER_FAST_NO_CUDA") == "1":
+        return False
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-def extra_cflags():
+def source_paths(csrc_dir, cuda=False):
+    return [os.path.join(csrc_dir, name) for name in SOURCES + (CUDA_SOURCES if cuda else ())]
+
+
+def extra_cuda_cflags():
+    """nvcc flags (torch adds its own, and the architectures of TORCH_CUDA_ARCH_LIST or the GPUs present)."""
+    return ["-O3", "-std=c++17", CUDA_DEFINE]
+
+
+def extra_cflags(cuda=False):
     """Optimisation flags. The extension is always compiled on the machine that runs it (a source
     install or the JIT build), so it targets that CPU (-march=native: AVX-512 where present, which
     at::vec then uses). TRANSFORMER_FAST_PORTABLE=1 builds for the x86-64 AVX2+FMA baseline instead,
     for a build that must run on other machines."""
-    flags = ["-O3", "-fno-math-errno", "-std=c++17", "-fopenmp"]
+    flags = ["-O3", "-fno-math-errno", "-std=c++17", "-fopenmp"] + ([CUDA_DEFINE] if cuda else [])
     if platform.machine() not in ("x86_64", "AMD64"):
         return flags
     if os.environ.get("TRANSFORMER_FAST_PORTABLE") == "1":

@@ -3,7 +3,8 @@
 Backends:
   * ``triton``    - the kernels in ``transformer_fast.kernels`` (CUDA tensors; CPU tensors only
                     under ``TRITON_INTERPRET=1``, which is how CI tests them);
-  * ``cpp``       - the C++ extension ``transformer_fast._C`` (CPU tensors);
+  * ``cpp``       - the C++ extension ``transformer_fast._C`` (CPU tensors; CUDA tensors for the
+                    families it has CUDA kernels for, where torch has CUDA: attention);
   * ``reference`` - the plain PyTorch code in ``transformer_fast.reference`` (anything).
 
 ``select_backend`` picks one per call; ``kernel`` returns that backend's implementation of a
@@ -62,23 +63,39 @@ def _csrc_dir():
 
 def _jit_build():
     """Builds csrc/ with torch.utils.cpp_extension.load into a cache directory keyed on the
-    source folder, the flags and the torch version; ninja rebuilds what changed."""
-    from torch.utils import cpp_extension
-
+    source folder, the flags and the torch version; ninja rebuilds what changed. Where torch has
+    CUDA, the CUDA kernels are built too; if that build fails, the CPU kernels alone (warned)."""
     from . import _build_config
 
     csrc = _csrc_dir()
     if csrc is None:
         raise RuntimeError("the C++ sources (csrc/) are not shipped with this installation")
-    key = "|".join([os.path.realpath(csrc), " ".join(_build_config.extra_cflags()), torch.__version__])
+    if _build_config.with_cuda():
+        try:
+            return _jit_build_variant(csrc, cuda=True)
+        except Exception as exc:  # noqa: BLE001 - nvcc missing or too old, a compile error, ...
+            warnings.warn(f"transformer_fast: building the C++ extension's CUDA kernels failed, building its CPU "
+                          f"kernels alone ({type(exc).__name__}: {str(exc).strip()[-500:]})", RuntimeWarning,
+                          stacklevel=4)
+    return _jit_build_variant(csrc, cuda=False)
+
+
+def _jit_build_variant(csrc, cuda):
+    from torch.utils import cpp_extension
+
+    from . import _build_config
+
+    cflags = _build_config.extra_cflags(cuda)
+    key = "|".join([os.path.realpath(csrc), " ".join(cflags), torch.__version__])
     cache_root = os.environ.get(
         "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
     build_dir = os.path.join(cache_root, hashlib.sha256(key.encode()).hexdigest()[:16])
     os.makedirs(build_dir, exist_ok=True)
     return cpp_extension.load(
         name="transformer_fast_C",
-        sources=_build_config.source_paths(csrc),
-        extra_cflags=_build_config.extra_cflags(),
+        sources=_build_config.source_paths(csrc, cuda),
+        extra_cflags=cflags,
+        extra_cuda_cflags=_build_config.extra_cuda_cflags() if cuda else None,
         extra_ldflags=_build_config.extra_ldflags(),
         build_directory=build_dir,
         verbose=os.environ.get("TRANSFORMER_FAST_VERBOSE_BUILD") == "1",
@@ -121,8 +138,10 @@ _DTYPES = {
 
 
 @torch.compiler.assume_constant_result  # torch.compile: evaluated at trace time, no graph break
-def _unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None) -> str | None:
-    """Why `backend` cannot run on `device`/`dtype` (None: it can). None asks about any."""
+def _unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None,
+                        family: str | None = None) -> str | None:
+    """Why `backend` cannot run kernel family `family` ("attention", ...) on `device`/`dtype`
+    (None: it can). None asks about any device or dtype; family None about every family."""
     if backend == "reference":
         return None
     if backend in _DTYPES and dtype is not None and dtype not in _DTYPES[backend]:
@@ -138,12 +157,16 @@ def _unavailable_reason(backend: str, device: torch.device | None, dtype: torch.
             return None
         return f"Triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
     if backend == "cpp":
-        _, reason = _load_cpp()
+        module, reason = _load_cpp()
         if reason is not None:
             return reason
-        if device is not None and device.type != "cpu":
-            return f"the C++ extension has CPU kernels only, got {device.type} tensors"
-        return None
+        if device is None or device.type == "cpu":
+            return None
+        cuda_families = module.cuda_families() if hasattr(module, "cuda_families") else []
+        if device.type == "cuda" and family in cuda_families:
+            return None
+        return (f"the C++ extension runs {family or 'every kernel family'} on CPU tensors only (CUDA kernels: "
+                f"{', '.join(cuda_families) or 'none in this build'}), got {device.type} tensors")
     raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
 
 
@@ -152,11 +175,13 @@ def available_backends() -> dict:
     return {name: _unavailable_reason(name, None) for name in BACKENDS}
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto") -> str:
-    """Chooses the backend for tensors of `dtype` on `device`.
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto",
+                   family: str | None = None) -> str:
+    """Chooses the backend for kernel family `family` on tensors of `dtype` on `device`.
 
     `requested` is a backend name or "auto"; "auto" reads TRANSFORMER_FAST_BACKEND and otherwise
-    prefers Triton on CUDA, C++ on CPU, and the reference where neither works. An explicitly
+    prefers Triton on CUDA (then the C++ extension's CUDA kernels), C++ on CPU, and the reference
+    where neither works. An explicitly
     requested backend that cannot run raises RuntimeError with the reason.
     """
     if requested is None or requested == "auto":
@@ -164,13 +189,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str | No
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
-        reason = _unavailable_reason(requested, device, dtype)
+        reason = _unavailable_reason(requested, device, dtype, family)
         if reason is not None:
             raise RuntimeError(f"backend {requested!r} is unavailable for {dtype} {device.type} tensors: {reason}")
         return requested
     preference = ("triton", "cpp") if device.type == "cuda" else ("cpp",)
     for name in preference:
-        if _unavailable_reason(name, device, dtype) is None:
+        if _unavailable_reason(name, device, dtype, family) is None:
             return name
     return "reference"
 

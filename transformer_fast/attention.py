@@ -186,7 +186,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # The kernels need a unit stride along the head dim; any other stride is passed through as is.
     query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
                          for t in (query, key, value))
-    backend = _dispatch.select_backend(query.device, query.dtype, backend)
+    backend = _dispatch.select_backend(query.device, query.dtype, backend, "attention")
     scale = float(D ** -0.5 if scale is None else scale)
     out, _ = _dispatch.run_op(_attention_forward_op, _attention_forward, query, key, value, attn_mask,
                               key_padding_mask, bool(is_causal), scale, float(dropout_p),

@@ -141,7 +141,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
         h = x if residual is None else x + residual
         y = h.clone()
         return y if residual is None else (y, h)
-    backend = _dispatch.select_backend(x.device, x.dtype, backend)
+    backend = _dispatch.select_backend(x.device, x.dtype, backend, "layer_norm")
     if len(normalized_shape) > 1:
         weight = None if weight is None else weight.reshape(width)
         bias = None if bias is None else bias.reshape(width)

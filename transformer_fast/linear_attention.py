@@ -104,7 +104,7 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
     query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
                          for t in (query, key, value))
-    backend = _dispatch.select_backend(query.device, query.dtype, backend)
+    backend = _dispatch.select_backend(query.device, query.dtype, backend, "linear_attention")
     return _dispatch.run_op(_linear_attention_forward_op, _linear_attention_forward, query, key, value,
                             key_padding_mask, bool(is_causal), float(eps), backend,
                             autograd=_linear_attention_forward_eager)

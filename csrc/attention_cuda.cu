@@ -1,0 +1,63 @@
+// CUDA launches of the C++ backend's softmax attention kernels (attention_cuda.cuh), on the
+// current stream of the tensors' device. Built only where torch has CUDA (_build_config.py).
+
+#include "attention_cuda.cuh"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace transformer_fast {
+namespace {
+
+using namespace cuda_kernels;
+
+// The largest tile (32, 16 or 8) whose shared memory fits the device's per-block limit.
+template <typename BytesOf>
+int pick_tile(BytesOf bytes_of, int device, const char* what) {
+  int limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  for (int tile = 32; tile >= 8; tile /= 2) {
+    if (bytes_of(tile) <= static_cast<size_t>(limit)) return tile;
+  }
+  TORCH_CHECK(false, what, ": head dims too large for this GPU's shared memory (", limit, " bytes per block)");
+  return 0;
+}
+
+struct CudaLaunch {
+  cudaStream_t stream;
+  template <typename... Params, typename... Args>
+  void operator()(void (*kernel)(Params...), int64_t blocks, size_t shared_bytes, Args... args) const {
+    if (shared_bytes > 48 * 1024) {  // the default limit; more needs an explicit opt-in
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(shared_bytes)));
+    }
+    kernel<<<static_cast<unsigned>(blocks), kThreads, shared_bytes, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+}  // namespace
+
+void attention_fwd_cuda(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& out, at::Tensor& lse) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int tile = pick_tile([&](int t) { return fwd_shared_bytes(p, t); }, q.get_device(), "attention_forward");
+  run_forward(p, q, k, v, out, lse, tile, CudaLaunch{c10::cuda::getCurrentCUDAStream()});
+}
+
+void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
+                        at::Tensor& dk, at::Tensor& dv) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  const int dq_tile = pick_tile([&](int t) { return dq_shared_bytes(p, t); }, q.get_device(), "attention_backward");
+  const int dkdv_tile =
+      pick_tile([&](int t) { return dkdv_shared_bytes(p, t); }, q.get_device(), "attention_backward");
+  run_backward(p, dout, q, k, v, out, lse, delta, dq, dk, dv, dq_tile, dkdv_tile,
+               CudaLaunch{c10::cuda::getCurrentCUDAStream()});
+}
+
+}  // namespace transformer_fast

@@ -1,0 +1,205 @@
+// Runs the C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh) on CPU threads, so that
+// their logic (indexing, masks, the online softmax, shuffles, ballots and barriers) is tested
+// against the float64 reference on machines without a GPU (tests/test_attention_cuda_emulated.py).
+//
+// Each block runs alone, on kThreads std::threads sharing one shared-memory buffer (filled with
+// NaN first, so a read of anything not staged shows). A warp intrinsic stores each lane's value,
+// waits for the warp, reads, and waits again; __syncthreads waits for the block. Lanes that skip
+// a shuffle their warp makes (undefined behaviour on a GPU) or a barrier would hang: the
+// barriers time out instead and the launch raises. This checks the kernels' logic, not what
+// only a GPU shows (its compiler, memory model and speed): the nvcc compile check and the
+// gpu-marked tests do that.
+#include <torch/extension.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+// CUDA's built-in index variables, per thread.
+struct EmulatedIndex {
+  unsigned x = 0, y = 0, z = 0;
+};
+thread_local EmulatedIndex threadIdx, blockIdx;
+
+namespace tf_emulation {
+
+struct Hang {};  // thrown out of a barrier that timed out
+
+class Barrier {
+ public:
+  explicit Barrier(int count, bool* hung) : count_(count), hung_(hung) {}
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (*hung_) throw Hang{};
+    const uint64_t generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation != generation_ || *hung_; }) ||
+        *hung_) {
+      *hung_ = true;
+      cv_.notify_all();
+      throw Hang{};
+    }
+  }
+  void release() {  // wakes the waiters of a block that hung elsewhere
+    std::lock_guard<std::mutex> lock(mutex_);
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int count_, arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool* hung_;
+};
+
+constexpr int kThreadsPerBlock = 128;  // checked against the kernels' kThreads below
+
+struct Block {
+  explicit Block(size_t shared_bytes)
+      : shared(shared_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN()),
+        block_barrier(kThreadsPerBlock, &hung) {
+    for (int w = 0; w < kThreadsPerBlock / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32, &hung));
+  }
+  std::vector<float> shared;
+  bool hung = false;
+  Barrier block_barrier;
+  std::vector<std::unique_ptr<Barrier>> warp_barriers;
+  float values[kThreadsPerBlock];
+  unsigned predicates[kThreadsPerBlock];
+};
+
+thread_local Block* block = nullptr;
+
+inline float* shared_memory() { return block->shared.data(); }
+
+// A value from lane `src` of the calling thread's warp.
+inline float exchange(float v, int src) {
+  const int t = static_cast<int>(threadIdx.x), w = t / 32;
+  block->values[t] = v;
+  block->warp_barriers[w]->wait();
+  const float result = block->values[w * 32 + (src & 31)];
+  block->warp_barriers[w]->wait();
+  return result;
+}
+
+}  // namespace tf_emulation
+
+// CUDA's intrinsics, as the kernels use them.
+inline void __syncthreads() { tf_emulation::block->block_barrier.wait(); }
+inline float __shfl_sync(unsigned, float v, int src) { return tf_emulation::exchange(v, src); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+  return tf_emulation::exchange(v, static_cast<int>(threadIdx.x % 32) ^ mask);
+}
+inline unsigned __ballot_sync(unsigned, bool predicate) {
+  using tf_emulation::block;
+  const int t = static_cast<int>(threadIdx.x), w = t / 32;
+  block->predicates[t] = predicate ? 1u : 0u;
+  block->warp_barriers[w]->wait();
+  unsigned bits = 0;
+  for (int lane = 0; lane < 32; ++lane) bits |= block->predicates[w * 32 + lane] << lane;
+  block->warp_barriers[w]->wait();
+  return bits;
+}
+
+#define __global__
+#define __device__
+#define __launch_bounds__(...)
+#define TF_SHARED_MEMORY(name) float* name = tf_emulation::shared_memory()
+
+#include "attention_cuda.cuh"
+
+namespace tf_emulation {
+
+namespace ck = transformer_fast::cuda_kernels;
+static_assert(ck::kThreads == kThreadsPerBlock, "the emulated block size must match the kernels'");
+
+// launch(kernel, blocks, shared_bytes, args...) for run_forward / run_backward: the blocks one
+// after another, each on kThreads threads.
+struct EmulatedLaunch {
+  template <typename... Params, typename... Args>
+  void operator()(void (*kernel)(Params...), int64_t blocks, size_t shared_bytes, Args... args) const {
+    for (int64_t b = 0; b < blocks; ++b) {
+      Block state(shared_bytes);
+      std::vector<std::thread> threads;
+      for (int t = 0; t < kThreadsPerBlock; ++t) {
+        threads.emplace_back([&, t] {
+          threadIdx.x = static_cast<unsigned>(t);
+          blockIdx.x = static_cast<unsigned>(b);
+          block = &state;
+          try {
+            kernel(args...);
+          } catch (const Hang&) {
+            state.block_barrier.release();
+            for (auto& w : state.warp_barriers) w->release();
+          }
+        });
+      }
+      for (auto& thread : threads) thread.join();
+      TORCH_CHECK(!state.hung, "emulated CUDA kernel hung in block ", b,
+                  ": some threads skipped a barrier, shuffle or ballot that others made");
+    }
+  }
+};
+
+at::Tensor poisoned(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
+}
+
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+at::Tensor padding(const std::optional<at::Tensor>& key_padding_mask) {
+  return key_padding_mask.has_value() && key_padding_mask->defined() ? key_padding_mask->contiguous() : at::Tensor();
+}
+
+// As transformer_fast's attention_forward, through the CUDA kernels with a key tile of `tile`.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                           const std::optional<at::Tensor>& attn_mask,
+                                           const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                                           double scale, double dropout_p, int64_t seed, int64_t tile) {
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor pad = padding(key_padding_mask);
+  const transformer_fast::Problem p =
+      transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor out = poisoned({p.B, p.H, p.Nq, p.Dv}, q.options());
+  at::Tensor lse = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  ck::run_forward(p, q, k, v, out, lse, static_cast<int>(tile), EmulatedLaunch{});
+  return {out, lse};
+}
+
+// As transformer_fast's attention_backward, with query tile `dkdv_tile` for dK, dV and key tile
+// `dq_tile` for dQ.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    int64_t dq_tile, int64_t dkdv_tile) {
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor dout = unit_last_stride(dout_in), out = unit_last_stride(out_in);
+  const at::Tensor pad = padding(key_padding_mask);
+  const transformer_fast::Problem p =
+      transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor delta = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  at::Tensor dq = poisoned(q.sizes(), q.options()), dk = poisoned(k.sizes(), k.options());
+  at::Tensor dv = poisoned(v.sizes(), v.options());
+  ck::run_backward(p, dout, q, k, v, out, lse.contiguous(), delta, dq, dk, dv, static_cast<int>(dq_tile),
+                   static_cast<int>(dkdv_tile), EmulatedLaunch{});
+  return {dq, dk, dv};
+}
+
+}  // namespace tf_emulation
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &tf_emulation::forward);
+  m.def("backward", &tf_emulation::backward);
+}

@@ -1,0 +1,207 @@
+"""The C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh), run on CPU threads by
+tests/cuda_emulation.cpp, against the float64 reference: their logic, tested where there is no GPU
+(slow, ~1 s per small case: shapes stay tiny). On a GPU, test_attention.py's gpu tests run them for
+real."""
+import hashlib
+import os
+
+import pytest
+import torch
+
+from transformer_fast import _dispatch
+from transformer_fast import attention as attention_module
+from transformer_fast._validation import broadcast_attn_mask, check_key_padding_mask
+
+from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(os.path.dirname(HERE), "csrc")
+
+
+@pytest.fixture(scope="module")
+def emulation():
+    """The emulation harness, JIT-built (~30 s) into the package's build cache."""
+    from torch.utils import cpp_extension
+
+    sources = [os.path.join(HERE, "cuda_emulation.cpp")]
+    key = "|".join([os.path.realpath(HERE), torch.__version__])
+    cache_root = os.environ.get(
+        "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
+    build_dir = os.path.join(cache_root, "cuda-emulation-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+    os.makedirs(build_dir, exist_ok=True)
+    return cpp_extension.load(name="transformer_fast_cuda_emulation", sources=sources, extra_include_paths=[CSRC],
+                              extra_cflags=["-O1", "-std=c++17"], build_directory=build_dir)
+
+
+class _Emulated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ext, q, k, v, mask, pad, is_causal, scale, dropout_p, seed, tiles):
+        out, lse = ext.forward(q, k, v, mask, pad, is_causal, scale, dropout_p, seed, tiles[0])
+        ctx.save_for_backward(q, k, v, out, lse, mask, pad)
+        ctx.args = (ext, is_causal, scale, dropout_p, seed, tiles)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask, pad = ctx.saved_tensors
+        ext, is_causal, scale, dropout_p, seed, tiles = ctx.args
+        dq, dk, dv = ext.backward(dout, q, k, v, out, lse, mask, pad, is_causal, scale, dropout_p, seed, tiles[1],
+                                  tiles[2])
+        return None, dq, dk, dv, None, None, None, None, None, None, None
+
+
+def emulated_attention(ext, tiles=(32, 32, 32), dropout_p=0.0, seed=0):
+    """tf.scaled_dot_product_attention's signature, through the emulated CUDA kernels; tiles: the
+    forward's key tile, dQ's key tile and dK/dV's query tile (32, 16 or 8 on a GPU, by shared memory)."""
+    def attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, key_padding_mask=None):
+        B, H, Nq, D = q.shape
+        mask = broadcast_attn_mask(attn_mask, (B, H, Nq, k.shape[2]), q)
+        pad = check_key_padding_mask(key_padding_mask, B, k.shape[2], q)
+        scale = D ** -0.5 if scale is None else scale
+        return _Emulated.apply(ext, q, k, v, mask, pad, bool(is_causal), float(scale), dropout_p, seed, tiles)
+    return attention
+
+
+# (B, H, Hk, Nq, Nk, D, Dv, is_causal, layout, dtype, tiles)
+CASES = [
+    (1, 1, 1, 1, 1, 16, 16, False, "bhnd", torch.float32, (32, 32, 32)),
+    (1, 2, 2, 17, 40, 40, 40, True, "bnhd", torch.float32, (8, 16, 8)),
+    (2, 2, 1, 33, 17, 17, 24, True, "bhnd", torch.float32, (16, 8, 32)),  # multi-query, Nq > Nk, odd D
+    (1, 2, 2, 20, 20, 64, 64, False, "qkv", torch.bfloat16, (32, 32, 32)),
+    (1, 1, 1, 17, 33, 256, 80, False, "bhnd", torch.float16, (16, 16, 16)),  # 8 dims per lane, Dv != D
+    (1, 4, 2, 9, 21, 96, 96, True, "bhnd", torch.float32, (32, 32, 32)),  # GQA, causal with Nq < Nk
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}Hk{}q{}k{}D{}Dv{}{}-{}-{}-tiles{}".format(
+    *c[:7], "-causal" if c[7] else "", c[8], str(c[9])[6:], "x".join(map(str, c[10]))))
+def test_shapes_layouts_and_tiles(emulation, case):
+    B, H, Hk, Nq, Nk, D, Dv, is_causal, layout, dtype, tiles = case
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype, layout=layout)
+    check_attention("cuda-emulated", q, k, v, is_causal=is_causal, attention=emulated_attention(emulation, tiles))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_masks(emulation, kind, is_causal):
+    """attn_mask broadcast over batch or heads (stride-0 dims read in place), key padding with one
+    sequence fully padded, and causality, all at once: rows with no allowed key give 0."""
+    B, H, Nq, Nk, D = 3, 2, 19, 35, 24
+    q, k, v = make_qkv(B, H, Nq, Nk, D)
+    shape = (Nq, Nk) if kind == "bool" else (B, 1, Nq, Nk)
+    mask = random_attn_mask(shape, kind)
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    check_attention("cuda-emulated", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal,
+                    attention=emulated_attention(emulation, (16, 32, 16)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_garbage_in_hidden_keys_does_not_leak(emulation, is_causal):
+    """NaN and inf in padded keys and values, and in keys no query may attend to (bool attn_mask),
+    change nothing: the output and gradients equal those of a run with zeros there, and are finite."""
+    B, H, Nq, Nk, D = 2, 2, 21, 37, 32
+    q, k, v = make_qkv(B, H, Nq, Nk, D)
+    pad = torch.zeros(B, Nk, dtype=torch.bool)
+    pad[0, 30:] = True
+    pad[1, 5:9] = True
+    allowed = torch.ones(Nq, Nk, dtype=torch.bool)
+    allowed[:, 12:15] = False
+    hidden = pad | ~allowed[0]  # keys no query sees
+    dout = torch.randn(B, H, Nq, D)
+
+    def run(fill):
+        kk, vv = k.clone(), v.clone()
+        kk[hidden[:, None, :, None].expand_as(kk)] = fill
+        vv[hidden[:, None, :, None].expand_as(vv)] = fill
+        args = [t.clone().requires_grad_() for t in (q, kk, vv)]
+        out = emulated_attention(emulation)(*args, attn_mask=allowed, key_padding_mask=pad, is_causal=is_causal)
+        out.backward(dout)
+        return [out] + [a.grad for a in args]
+
+    clean = run(0.0)
+    for fill in (float("nan"), float("inf")):
+        dirty = run(fill)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), clean, dirty):
+            if name in ("dk", "dv"):
+                a, b = a.masked_fill(hidden[:, None, :, None], 0), b.masked_fill(hidden[:, None, :, None], 0)
+            assert torch.isfinite(b).all(), f"{name}: {fill} in hidden keys reached the result"
+            assert torch.equal(a, b), f"{name}: {fill} in hidden keys changed the result"
+
+
+def test_nan_in_a_query_shows_in_its_row_only(emulation):
+    q, k, v = make_qkv(1, 2, 9, 20, 16)
+    q[0, 1, 4, 3] = float("nan")
+    out = emulated_attention(emulation)(q, k, v)
+    nan_rows = torch.isnan(out).any(-1)
+    expected = torch.zeros_like(nan_rows)
+    expected[0, 1, 4] = True
+    assert torch.equal(nan_rows, expected)
+    assert torch.isnan(out[0, 1, 4]).all()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
+    """With the same seed the CUDA kernels drop the same probabilities as the CPU kernel (one hash,
+    csrc/attention.h), in the forward and when the backward regenerates the mask. (The CPU
+    kernel's dropout is checked against the reference with its recovered mask in test_attention.py.)"""
+    if tf_cpp_unavailable():
+        pytest.skip(f"C++ backend unavailable: {tf_cpp_unavailable()}")
+    B, H, Hk, Nq, Nk, D, p, seed = 2, 2, 1, 19, 37, 24, 0.3, 4321
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
+    pad = random_key_padding(B, Nk)
+    scale = D ** -0.5
+    # With v = identity the output is the dropped probabilities themselves: the same zeros.
+    eye = torch.eye(Nk).expand(B, Hk, Nk, Nk)
+    kept_cpu = attention_module._attention_forward(q, k, eye, None, pad, is_causal, scale, p, seed, "cpp")[0] != 0
+    kept_emu = emulation.forward(q, k, eye, None, pad, is_causal, scale, p, seed, 16)[0] != 0
+    assert torch.equal(kept_emu, kept_cpu)
+    allowed = ~pad[:, None, None, :] & (torch.ones(Nq, Nk, dtype=torch.bool).tril() if is_causal else True)
+    assert abs(kept_emu[allowed.expand_as(kept_emu)].float().mean().item() - (1 - p)) < 0.05
+    out_cpu, lse_cpu = attention_module._attention_forward(q, k, v, None, pad, is_causal, scale, p, seed, "cpp")
+    out_emu, lse_emu = emulation.forward(q, k, v, None, pad, is_causal, scale, p, seed, 16)
+    torch.testing.assert_close(out_emu, out_cpu, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_emu, lse_cpu, rtol=1e-6, atol=1e-6)
+    dout = torch.randn_like(out_cpu)
+    grads_cpu = attention_module._attention_backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p,
+                                                     seed, "cpp")
+    grads_emu = emulation.backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p, seed, 32, 16)
+    for name, a, b in zip(("dq", "dk", "dv"), grads_emu, grads_cpu):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def tf_cpp_unavailable():
+    return _dispatch.available_backends()["cpp"]
+
+
+def test_deterministic(emulation):
+    q, k, v = make_qkv(1, 2, 23, 30, 16)
+    dout = torch.randn(1, 2, 23, 16)
+
+    def run():
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = emulated_attention(emulation, (8, 16, 8))(*args, is_causal=True)
+        out.backward(dout)
+        return [out] + [a.grad for a in args]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+def test_cuda_sources_compile_for_sm90():
+    """The CUDA sources compile with nvcc (kernels/compile_check.py --cuda), without spills beyond
+    a few stack bytes, so a CUDA build of the extension does not fail on a GPU machine."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not (shutil.which("nvcc") or cpp_extension.CUDA_HOME):
+        pytest.skip("nvcc not found: the CUDA sources cannot be compiled here")
+    from transformer_fast.kernels.compile_check import check_cuda_sources
+
+    reports, failures = check_cuda_sources([90])
+    assert not failures, failures
+    names = {r["name"].split(":")[1].split("<")[0].split()[-1] for r in reports}
+    assert names == {"attention_fwd_kernel", "attention_bwd_delta_kernel", "attention_bwd_dq_kernel",
+                     "attention_bwd_dkdv_kernel"}
+    assert len(reports) == 3 * (3 * 4 + 1)  # dtypes x (three kernels x four dims-per-lane, + delta)
+    assert all(r["spill_bytes"] <= 16 for r in reports), [r for r in reports if r["spill_bytes"] > 16]
