@@ -1,7 +1,9 @@
 """The Triton attention against torch's FlashAttention backend on one GPU: speed ratios and TFLOP/s.
 
     python -m benchmarks.bench_attention_gpu [--dtypes bfloat16 float16] [--head-dims 64 128]
-        [--seq-lens 1024 2048 4096 8192 16384] [--rounds 5] [--out benchmarks/results]
+        [--seq-lens 1024 2048 4096 8192 16384] [--rounds 5] [--out benchmarks/results] [--backend cpp]
+
+(--backend cpp times the C++ backend's CUDA kernels, the fallback for GPUs without Triton, instead.)
 
 The grid is the one of issue #3: forward and forward+backward, causal and not, for each dtype,
 head dim and length. Batch and heads follow the FlashAttention papers' convention: B * N = 16k
@@ -114,7 +116,7 @@ def run_case(dtype, D, N, causal, passes, args):
     q, k, v, dout = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(4))
 
     def ours(q, k, v):
-        return tf.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="triton")
+        return tf.scaled_dot_product_attention(q, k, v, is_causal=causal, backend=args.backend)
 
     def theirs(q, k, v):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -140,8 +142,8 @@ def run_case(dtype, D, N, causal, passes, args):
                 torch_tflops=flops / t_torch / 1e12, ours_tflops=flops / t_ours / 1e12, check=check)
 
 
-def markdown(results, rates, info, vers):
-    lines = [f"# Triton attention vs torch flash on {info['name']}", "",
+def markdown(results, rates, info, vers, args):
+    lines = [f"# {args.backend} attention vs torch flash on {info['name']}", "",
              f"torch {vers['torch']}, triton {vers.get('triton')}, CUDA {vers.get('cuda')}, "
              f"commit {vers.get('git_commit', '?')}. Matrix-product rate measured in this run (8192^3, random): "
              + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()) + ".", "",
@@ -169,6 +171,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16384, help="B * N")
     p.add_argument("--hidden", type=int, default=2048, help="H * D")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--backend", default="triton", choices=["triton", "cpp"],
+                   help="ours: the Triton kernels, or the C++ backend's CUDA kernels (slow: try --seq-lens 1024 2048)")
     p.add_argument("--out", default=None, help="folder for <device>-attention-<date>.{json,md}")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -197,12 +201,13 @@ def main(argv=None):
                               f"ours {r['ours_tflops']:4.0f} TFLOP/s{extra}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{info['slug']}-attention-{datetime.date.today().isoformat()}")
+        kind = "attention" if args.backend == "triton" else f"attention-{args.backend}"
+        stem = os.path.join(args.out, f"{info['slug']}-{kind}-{datetime.date.today().isoformat()}")
         with open(stem + ".json", "w") as f:
             json.dump(dict(device=info, versions=vers, matmul_flops_per_s=rates, args=vars(args), results=results), f,
                       indent=1)
         with open(stem + ".md", "w") as f:
-            f.write(markdown(results, rates, info, vers))
+            f.write(markdown(results, rates, info, vers, args))
         print(f"wrote {stem}.json and .md")
 
 

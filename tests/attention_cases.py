@@ -28,6 +28,16 @@ def make_qkv(B, H, Nq, Nk, D, Dv=None, *, Hk=None, dtype=torch.float32, layout="
             torch.randn(B, Hk, Nk, Dv, dtype=dtype, device=device))
 
 
+def inside_nan(t, margin=3):
+    """A copy of `t` as a view into a NaN-filled tensor `margin` elements larger on each side of
+    its last two dims: a kernel that reads past a row or past the last row picks up NaN."""
+    big = torch.full((*t.shape[:-2], t.shape[-2] + 2 * margin, t.shape[-1] + 2 * margin), float("nan"),
+                     dtype=t.dtype, device=t.device)
+    view = big[..., margin:margin + t.shape[-2], margin:margin + t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
 def random_key_padding(B, Nk, *, fully_padded_row=None, device="cpu"):
     """(B, Nk) bool, True = padded: random valid lengths; `fully_padded_row` pads every key of that row."""
     lengths = torch.randint(1, Nk + 1, (B,), device=device)

@@ -66,8 +66,9 @@ class Barrier {
 constexpr int kThreadsPerBlock = 128;  // checked against the kernels' kThreads below
 
 struct Block {
+  // Shared memory as sized by the launch, plus a NaN guard: a read past the end shows as NaN.
   explicit Block(size_t shared_bytes)
-      : shared(shared_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN()),
+      : shared(shared_bytes / sizeof(float) + 4096, std::numeric_limits<float>::quiet_NaN()),
         block_barrier(kThreadsPerBlock, &hung) {
     for (int w = 0; w < kThreadsPerBlock / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32, &hung));
   }

@@ -48,7 +48,9 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, w
         out = []
         for i, x in enumerate(inputs):
             if isinstance(x, torch.Tensor) and x.is_floating_point():
-                x = x.detach().to(dtype) if dtype is not None else x.detach().clone()
+                # detach(), not clone(): a clone of a view with gaps (q sliced out of a fused QKV
+                # projection) would be contiguous, and the kernel would never see the layout.
+                x = x.detach().to(dtype) if dtype is not None else x.detach()
                 x.requires_grad_(i in grad_inputs)
             out.append(x)
         return out

@@ -12,7 +12,7 @@ from transformer_fast import _dispatch
 from transformer_fast import attention as attention_module
 from transformer_fast._validation import broadcast_attn_mask, check_key_padding_mask
 
-from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+from attention_cases import check_attention, inside_nan, make_qkv, random_attn_mask, random_key_padding
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(os.path.dirname(HERE), "csrc")
@@ -93,6 +93,17 @@ def test_masks(emulation, kind, is_causal):
     pad = random_key_padding(B, Nk, fully_padded_row=1)
     check_attention("cuda-emulated", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal,
                     attention=emulated_attention(emulation, (16, 32, 16)))
+
+
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, (8, 16, 32)), (torch.float16, (32, 8, 16))])
+def test_reads_stay_inside_the_inputs(emulation, dtype, tiles):
+    """q, k, v and the mask as views inside NaN-filled tensors: a read past a row, past the last
+    row or past the last head dim would make the results NaN."""
+    B, H, Hk, Nq, Nk, D, Dv = 2, 4, 2, 19, 26, 20, 12
+    q, k, v = (inside_nan(t) for t in make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype))
+    mask = inside_nan(random_attn_mask((B, 1, Nq, Nk), "float", dtype=dtype))
+    check_attention("cuda-emulated", q, k, v, attn_mask=mask, key_padding_mask=random_key_padding(B, Nk),
+                    is_causal=True, attention=emulated_attention(emulation, tiles))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
