@@ -88,12 +88,37 @@ __device__ inline float masked_score(const Problem& p, float dot, int64_t b, int
 }
 
 // out[r] = sum_d rows[r * width + d] * x[d] for the warp's kRows rows (broadcast reads: every lane
-// reads the same row element) against the lane's own vector x.
+// reads the same row element) against the lane's own vector x, in kParts partial sums (element d
+// goes to sum d % kParts) added pairwise at the end. One running sum over up to 256 elements lost
+// 4-5x the reference's accuracy in dS = P (dP - delta) where that cancels (rows with one allowed
+// key; measured in the CPU emulation with FMAs, benchmarks/NOTES.md); the partial sums are also
+// independent FMA chains.
+constexpr int kParts = 8;
+
 __device__ inline void row_dots(const float* rows, const float* x, int width, float (&out)[kRows]) {
-  for (int d = 0; d < width; ++d) {
+  float part[kRows][kParts] = {};
+  int d = 0;
+  for (; d + kParts <= width; d += kParts) {
+#pragma unroll
+    for (int e = 0; e < kParts; ++e) {
+      const float xd = x[d + e];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) part[r][e] += rows[r * width + d + e] * xd;
+    }
+  }
+  for (int e = 0; d < width; ++d, ++e) {
     const float xd = x[d];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) out[r] += rows[r * width + d] * xd;
+    for (int r = 0; r < kRows; ++r) part[r][e] += rows[r * width + d] * xd;
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int stride = kParts / 2; stride > 0; stride /= 2) {
+#pragma unroll
+      for (int e = 0; e < stride; ++e) part[r][e] += part[r][e + stride];
+    }
+    out[r] = part[r][0];
   }
 }
 

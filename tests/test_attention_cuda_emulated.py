@@ -30,7 +30,7 @@ def emulation():
     build_dir = os.path.join(cache_root, "cuda-emulation-" + hashlib.sha256(key.encode()).hexdigest()[:16])
     os.makedirs(build_dir, exist_ok=True)
     return cpp_extension.load(name="transformer_fast_cuda_emulation", sources=sources, extra_include_paths=[CSRC],
-                              extra_cflags=["-O1", "-std=c++17"], build_directory=build_dir)
+                              extra_cflags=["-O2", "-mfma", "-ffp-contract=fast"], build_directory=build_dir)
 
 
 class _Emulated(torch.autograd.Function):
