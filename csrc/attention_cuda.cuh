@@ -40,7 +40,6 @@
 namespace transformer_fast {
 namespace cuda_kernels {
 
-
 constexpr int kWarps = 4;                    // warps per block
 constexpr int kRows = 4;                     // query rows (or keys) per warp
 constexpr int kBlockRows = kWarps * kRows;   // query rows (or keys) per block
@@ -106,10 +105,10 @@ __device__ inline void row_dots(const float* rows, const float* x, int width, fl
       for (int r = 0; r < kRows; ++r) part[r][e] += rows[r * width + d + e] * xd;
     }
   }
-  for (int e = 0; d < width; ++d, ++e) {
+  for (; d < width; ++d) {  // (the tail into sum 0: a runtime index would put `part` in local memory)
     const float xd = x[d];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) part[r][e] += rows[r * width + d] * xd;
+    for (int r = 0; r < kRows; ++r) part[r][0] += rows[r * width + d] * xd;
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
