@@ -181,8 +181,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str | No
 
     `requested` is a backend name or "auto"; "auto" reads TRANSFORMER_FAST_BACKEND and otherwise
     prefers Triton on CUDA (then the C++ extension's CUDA kernels), C++ on CPU, and the reference
-    where neither works. An explicitly
-    requested backend that cannot run raises RuntimeError with the reason.
+    where neither works. An explicitly requested backend that cannot run raises RuntimeError with
+    the reason.
     """
     if requested is None or requested == "auto":
         requested = os.environ.get(_ENV_BACKEND, "auto") or "auto"
