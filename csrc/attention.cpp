@@ -862,17 +862,6 @@ void dispatch_dtype(const char* fn_name, at::ScalarType dtype, Fn&& fn) {
   }
 }
 
-// A unit stride along the last dim (any stride is fine when it has size 1).
-at::Tensor unit_last_stride(const at::Tensor& t) {
-  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
-}
-
-at::Tensor padding_mask_contiguous(const std::optional<at::Tensor>& key_padding_mask) {
-  if (!key_padding_mask.has_value() || !key_padding_mask->defined()) return at::Tensor();
-  TORCH_CHECK(key_padding_mask->scalar_type() == at::kBool, "key_padding_mask must be bool");
-  return key_padding_mask->contiguous();
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(

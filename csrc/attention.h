@@ -62,6 +62,18 @@ struct Problem {
   Dropout dropout;
 };
 
+// A unit stride along the last dim (any stride is fine when it has size 1).
+inline at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+// The (B, Nk) key padding mask, contiguous, or an undefined tensor when there is none.
+inline at::Tensor padding_mask_contiguous(const std::optional<at::Tensor>& key_padding_mask) {
+  if (!key_padding_mask.has_value() || !key_padding_mask->defined()) return at::Tensor();
+  TORCH_CHECK(key_padding_mask->scalar_type() == at::kBool, "key_padding_mask must be bool");
+  return key_padding_mask->contiguous();
+}
+
 // Drops each probability with chance p (the threshold on a 24-bit hash rounds p up to a multiple
 // of 2^-24), scaling the kept ones by 1 / (1 - p).
 inline Dropout make_dropout(double p, int64_t seed) {

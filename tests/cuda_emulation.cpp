@@ -11,6 +11,7 @@
 // gpu-marked tests do that.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -32,7 +33,8 @@ struct Hang {};  // thrown out of a barrier that timed out
 
 class Barrier {
  public:
-  explicit Barrier(int count, bool* hung) : count_(count), hung_(hung) {}
+  // `hung` is shared by all barriers of a block (each with its own mutex): atomic.
+  explicit Barrier(int count, std::atomic<bool>* hung) : count_(count), hung_(hung) {}
   void wait() {
     std::unique_lock<std::mutex> lock(mutex_);
     if (*hung_) throw Hang{};
@@ -60,7 +62,7 @@ class Barrier {
   std::condition_variable cv_;
   int count_, arrived_ = 0;
   uint64_t generation_ = 0;
-  bool* hung_;
+  std::atomic<bool>* hung_;
 };
 
 constexpr int kThreadsPerBlock = 128;  // checked against the kernels' kThreads below
@@ -73,7 +75,7 @@ struct Block {
     for (int w = 0; w < kThreadsPerBlock / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32, &hung));
   }
   std::vector<float> shared;
-  bool hung = false;
+  std::atomic<bool> hung{false};
   Barrier block_barrier;
   std::vector<std::unique_ptr<Barrier>> warp_barriers;
   float values[kThreadsPerBlock];
@@ -123,6 +125,8 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
 namespace tf_emulation {
 
 namespace ck = transformer_fast::cuda_kernels;
+using transformer_fast::padding_mask_contiguous;
+using transformer_fast::unit_last_stride;
 static_assert(ck::kThreads == kThreadsPerBlock, "the emulated block size must match the kernels'");
 
 // launch(kernel, blocks, shared_bytes, args...) for run_forward / run_backward: the blocks one
@@ -157,19 +161,13 @@ at::Tensor poisoned(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
 }
 
-at::Tensor unit_last_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
-
-at::Tensor padding(const std::optional<at::Tensor>& key_padding_mask) {
-  return key_padding_mask.has_value() && key_padding_mask->defined() ? key_padding_mask->contiguous() : at::Tensor();
-}
-
 // As transformer_fast's attention_forward, through the CUDA kernels with a key tile of `tile`.
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const std::optional<at::Tensor>& attn_mask,
                                            const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                                            double scale, double dropout_p, int64_t seed, int64_t tile) {
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
-  const at::Tensor pad = padding(key_padding_mask);
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
   const transformer_fast::Problem p =
       transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
   at::Tensor out = poisoned({p.B, p.H, p.Nq, p.Dv}, q.options());
@@ -187,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     int64_t dq_tile, int64_t dkdv_tile) {
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = unit_last_stride(dout_in), out = unit_last_stride(out_in);
-  const at::Tensor pad = padding(key_padding_mask);
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
   const transformer_fast::Problem p =
       transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
   at::Tensor delta = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));

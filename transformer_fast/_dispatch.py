@@ -61,6 +61,17 @@ def _csrc_dir():
     return None
 
 
+def build_directory(*key_parts, prefix=""):
+    """A JIT build folder under TRANSFORMER_FAST_CACHE (default ~/.cache/transformer_fast), named
+    by a hash of key_parts and the torch version, created if missing."""
+    key = "|".join([*key_parts, torch.__version__])
+    cache_root = os.environ.get(
+        "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
+    build_dir = os.path.join(cache_root, prefix + hashlib.sha256(key.encode()).hexdigest()[:16])
+    os.makedirs(build_dir, exist_ok=True)
+    return build_dir
+
+
 def _jit_build():
     """Builds csrc/ with torch.utils.cpp_extension.load into a cache directory keyed on the
     source folder, the flags and the torch version; ninja rebuilds what changed. Where torch has
@@ -86,11 +97,7 @@ def _jit_build_variant(csrc, cuda):
     from . import _build_config
 
     cflags = _build_config.extra_cflags(cuda)
-    key = "|".join([os.path.realpath(csrc), " ".join(cflags), torch.__version__])
-    cache_root = os.environ.get(
-        "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
-    build_dir = os.path.join(cache_root, hashlib.sha256(key.encode()).hexdigest()[:16])
-    os.makedirs(build_dir, exist_ok=True)
+    build_dir = build_directory(os.path.realpath(csrc), " ".join(cflags))
     return cpp_extension.load(
         name="transformer_fast_C",
         sources=_build_config.source_paths(csrc, cuda),
