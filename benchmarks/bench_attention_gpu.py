@@ -199,17 +199,19 @@ def main(argv=None):
                         print(f"{r['dtype']:>8} D={D:<3} N={N:<5} causal={int(causal)} {passes:<7} "
                               f"torch {r['torch_ms']:8.3f} ms  ours {r['ours_ms']:8.3f} ms  ratio {r['ratio']:.2f}  "
                               f"ours {r['ours_tflops']:4.0f} TFLOP/s{extra}", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        kind = "attention" if args.backend == "triton" else f"attention-{args.backend}"
-        stem = os.path.join(args.out, f"{info['slug']}-{kind}-{datetime.date.today().isoformat()}")
-        with open(stem + ".json", "w") as f:
-            json.dump(dict(device=info, versions=vers, matmul_flops_per_s=rates, args=vars(args), results=results), f,
-                      indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(markdown(results, rates, info, vers, args))
-        print(f"wrote {stem}.json and .md")
+                        if args.out:  # after every case, so a run cut by a time limit keeps what it measured
+                            write_results(results, rates, info, vers, args)
 
+
+def write_results(results, rates, info, vers, args):
+    os.makedirs(args.out, exist_ok=True)
+    kind = "attention" if args.backend == "triton" else f"attention-{args.backend}"
+    stem = os.path.join(args.out, f"{info['slug']}-{kind}-{datetime.date.today().isoformat()}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(device=info, versions=vers, matmul_flops_per_s=rates, args=vars(args), results=results), f,
+                  indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(results, rates, info, vers, args))
 
 if __name__ == "__main__":
     main()

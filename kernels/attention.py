@@ -528,6 +528,20 @@ def _block_dim(d):
     return max(16, next_power_of_2(d))  # tl.dot needs >= 16 along every dim
 
 
+def _block_dims(d, dv):
+    """(BLOCK_D, BLOCK_DV). Where the query/key head dim is not a multiple of 16 and the value
+    block would be narrower, the value block is widened to BLOCK_D. On an H100, Triton 3.6
+    miscompiled the forward for (D, Dv) = (40, 23) and (24, 11), with wrong outputs and
+    out-of-range shared-memory accesses (compute-sanitizer), while (48, 23), (80, 23), (80, 40)
+    and ten other pairs with a padded head dim were right without widening (benchmarks/NOTES.md).
+    Widening wherever a head dim is padded would cost spills (dK/dV at (80, 40): 14 KB on sm_80).
+    The extra value columns are loaded as zeros and never stored."""
+    block_d, block_dv = _block_dim(d), _block_dim(dv)
+    if d % 16 and block_dv < block_d:
+        block_dv = block_d
+    return block_d, block_dv
+
+
 def _len_bucket(nq, nk):
     """The autotune key's length bucket: powers of two of Nq and Nk, capped."""
     return min(next_power_of_2(nq), 16384) * 32768 + min(next_power_of_2(nk), 16384)
@@ -559,7 +573,8 @@ def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
     D, Dv = q.shape[3], v.shape[3]
     if max(D, Dv) > 256:  # the public API checks this; the tile tables stop at 256
         raise ValueError(f"the Triton attention kernels take head dims up to 256, got query {D}, value {Dv}")
-    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv), IS_CAUSAL=bool(is_causal),
+    block_d, block_dv = _block_dims(D, Dv)
+    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
                 MASK_KIND=_mask_args(attn_mask, q)[2], HAS_PAD=key_padding_mask is not None,
                 HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
@@ -674,8 +689,9 @@ def compile_cases():
         pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")}
         pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if pad else t,
                         KvRange="*i32" if pad else t)
-        constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=_block_dim(head_d), BLOCK_DV=_block_dim(head_dv),
-                          IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_PAD=pad, HAS_DROPOUT=dropout,
+        block_d, block_dv = _block_dims(head_d, head_dv)
+        constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=causal,
+                          MASK_KIND=mask_kind, HAS_PAD=pad, HAS_DROPOUT=dropout,
                           DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                           BLOCK_M=block_m, BLOCK_N=block_n)
         fn = _jit_function(kernel)
@@ -705,6 +721,7 @@ def compile_cases():
         add(kernel, name, torch.float32, 256, 256, fp32[256][0], causal=True, mask_kind=1, pad=True)
         add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
+        add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)
     preprocess = _jit_function(attention_bwd_preprocess_kernel)
     for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
         constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)

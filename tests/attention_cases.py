@@ -97,7 +97,7 @@ def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_
     scale = D ** -0.5 if scale is None else scale
     s = qf @ kf.transpose(-2, -1) * scale + reference.attention_bias(
         Nq, Nk, batch=B, heads=H, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        dtype=torch.float32)
+        dtype=torch.float32, device=q.device)
     no_key = torch.isneginf(s).all(dim=-1, keepdim=True)
     lse = torch.logsumexp(s.masked_fill(no_key, 0.0), dim=-1, keepdim=True)
     p = torch.exp(s - lse).masked_fill(no_key, 0.0)

@@ -1,0 +1,81 @@
+"""Where the host time of small GPU calls goes: host and device time per call, then cProfile.
+
+    python -m benchmarks.profile_host_gpu [--calls 200] [--top 25]
+
+On the second H100 lease, benchmarks.run measured about 0.13 ms per LayerNorm forward and 0.9-1 ms
+per forward+backward (LayerNorm over 4096 x 1024, attention over 4 x 16 x 1024 x 64) where torch
+took 0.02-0.26 ms: far more than the kernels need, so the time is spent on the host. For each
+case this prints the host time per call (calls queued without synchronizing) and the time per
+call including the device, for ours and torch's, then the functions where our calls spend it.
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import transformer_fast as tf
+
+
+def _cases():
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(4096, 1024, device=dev, dtype=dt, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(1024, device=dev, dtype=dt)).requires_grad_()
+    b = (0.1 * torch.randn(1024, device=dev, dtype=dt)).requires_grad_()
+    dy = torch.randn_like(x)
+    q, k, v = (torch.randn(4, 16, 1024, 64, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    return {
+        "layer_norm fwd": (lambda: tf.layer_norm(x.detach(), (1024,), w.detach(), b.detach()),
+                           lambda: F.layer_norm(x.detach(), (1024,), w.detach(), b.detach())),
+        "layer_norm fwd+bwd": (lambda: torch.autograd.grad(tf.layer_norm(x, (1024,), w, b), (x, w, b), dy),
+                               lambda: torch.autograd.grad(F.layer_norm(x, (1024,), w, b), (x, w, b), dy)),
+        "attention fwd": (lambda: tf.scaled_dot_product_attention(q.detach(), k.detach(), v.detach()),
+                          lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())),
+        "attention fwd+bwd": (
+            lambda: torch.autograd.grad(tf.scaled_dot_product_attention(q, k, v), (q, k, v), do),
+            lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)),
+    }
+
+
+def _per_call(fn, calls):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls, (time.perf_counter() - start) / calls
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_host_gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_host_gpu needs a CUDA GPU")
+    for name, (ours, theirs) in _cases().items():
+        for fn in (ours, theirs):
+            for _ in range(20):  # compile, autotune, allocator warm-up
+                fn()
+        (oh, ot), (th, tt) = _per_call(ours, args.calls), _per_call(theirs, args.calls)
+        print(f"{name:<20} ours host {oh * 1e6:7.1f} us, with device {ot * 1e6:7.1f} us | "
+              f"torch host {th * 1e6:7.1f} us, with device {tt * 1e6:7.1f} us", flush=True)
+    for name, (ours, _theirs) in _cases().items():
+        for _ in range(20):
+            ours()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            ours()
+        torch.cuda.synchronize()
+        profile.disable()
+        print(f"\n== {name}: ours, {args.calls} calls, by own time")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
