@@ -200,7 +200,9 @@ def main(argv=None):
                               f"torch {r['torch_ms']:8.3f} ms  ours {r['ours_ms']:8.3f} ms  ratio {r['ratio']:.2f}  "
                               f"ours {r['ours_tflops']:4.0f} TFLOP/s{extra}", flush=True)
                         if args.out:  # after every case, so a run cut by a time limit keeps what it measured
-                            write_results(results, rates, info, vers, args)
+                            stem = write_results(results, rates, info, vers, args)
+    if args.out:
+        print(f"wrote {stem}.json and .md")
 
 
 def write_results(results, rates, info, vers, args):
@@ -212,6 +214,8 @@ def write_results(results, rates, info, vers, args):
                   indent=1)
     with open(stem + ".md", "w") as f:
         f.write(markdown(results, rates, info, vers, args))
+    return stem
+
 
 if __name__ == "__main__":
     main()
