@@ -2,9 +2,9 @@
 
     python -m benchmarks.profile_host_gpu [--calls 200] [--top 25]
 
-On the second H100 lease, benchmarks.run measured about 0.13 ms per LayerNorm forward and 0.9-1 ms
+On the second H100 lease, benchmarks.run measured about 0.15 ms per LayerNorm forward and 0.9-1 ms
 per forward+backward (LayerNorm over 4096 x 1024, attention over 4 x 16 x 1024 x 64) where torch
-took 0.02-0.26 ms: far more than the kernels need, so the time is spent on the host. For each
+took 0.02-0.26 ms: far more than the kernels need, on a machine that was not quiet. For each
 case this prints the host time per call (calls queued without synchronizing) and the time per
 call including the device, for ours and torch's, then the functions where our calls spend it.
 """
