@@ -5,9 +5,11 @@
 Times, interleaved in one process (fp32, B=1, H=8, D=64 by default):
   torch   F.scaled_dot_product_attention, forward + backward
   ours    transformer_fast.scaled_dot_product_attention(backend="cpp"), forward + backward
-  floor   only the matrix products of ours: the same tiles (forward 256 x 512, backward 128 x 128),
-          the same BLAS calls, threads and MKL settings, with the softmax, masks and
-          conversions left out (a small C++ extension built here from csrc/cpu_blas.h).
+  floor   only the matrix products of ours: the same tiles as csrc/attention.cpp's forward_blocks
+          and backward_blocks (forward 256 x 512 with its scores in the backward's units;
+          backward 128 x 512, causal 128 x 128), the same BLAS calls, threads and MKL
+          settings, with the softmax, masks and conversions left out (a small C++ extension
+          built here from csrc/cpu_blas.h).
 
 `floor` is what ours would cost if everything but the products were free: a ratio
 torch / ours above torch / floor is impossible with these products."""
@@ -36,7 +38,9 @@ void products(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor dout, bool ca
   const int64_t BH = q.size(0) * q.size(1), N = q.size(2), D = q.size(3);
   const float* Q = q.data_ptr<float>(); const float* K = k.data_ptr<float>();
   const float* V = v.data_ptr<float>(); const float* dO = dout.data_ptr<float>();
+  // Forward tiles FM x FN; the scores in the backward's BM x BN units (attention.cpp's score_tile).
   const int64_t FM = std::min<int64_t>(256, N), FN = std::min<int64_t>(512, N);
+  const int64_t BM = std::min<int64_t>(128, N), BN = std::min<int64_t>(causal ? 128 : 512, N);
   at::parallel_for(0, BH * ((N + FM - 1) / FM), 1, [&](int64_t begin, int64_t end) {
     const transformer_fast::cpu_blas::SerialGuard serial;
     std::vector<float> S(FM * FN), acc(FM * D);
@@ -45,12 +49,16 @@ void products(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor dout, bool ca
       const int64_t key_end = causal ? std::min(N, i0 + bm) : N;
       for (int64_t j0 = 0; j0 < key_end; j0 += FN) {
         const int64_t bn = std::min(FN, N - j0);
-        gemm(false, true, bm, bn, D, 0.125f, Q + (bh * N + i0) * D, D, K + (bh * N + j0) * D, D, 0.f, S.data(), FN);
+        for (int64_t r = 0; r < bm; r += BM) {
+          for (int64_t c = 0; c < bn; c += BN) {
+            gemm(false, true, std::min(BM, bm - r), std::min(BN, bn - c), D, 0.125f, Q + (bh * N + i0 + r) * D, D,
+                 K + (bh * N + j0 + c) * D, D, 0.f, S.data() + r * FN + c, FN);
+          }
+        }
         gemm(false, false, bm, D, bn, 1e-3f, S.data(), FN, V + (bh * N + j0) * D, D, 1.f, acc.data(), D);
       }
     }
   });
-  const int64_t BM = std::min<int64_t>(128, N), BN = std::min<int64_t>(128, N);
   const int64_t nk = (N + BN - 1) / BN;
   at::parallel_for(0, BH * nk, 1, [&](int64_t begin, int64_t end) {
     const transformer_fast::cpu_blas::SerialGuard serial;

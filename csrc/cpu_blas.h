@@ -81,11 +81,71 @@ at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool
 template <typename T>
 using accumulate_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+//
+// fp32 products with one or two rows of C (a single key's dV row, a single query's output or dQ
+// row) are made here: MKL takes its gemv path there, which adds the K products of each element
+// one after another, so the error grows like K (and the tiles and heads accumulated on top
+// through beta = 1 make K their total). Here each element is a sum of chunks of kChunk products
+// (each chunk summed in registers, then added to the element's total), so the error grows like
+// kChunk + K / kChunk. A single key's dV went from up to 3-4x the float64 reference's error to
+// below it (fuzzing, benchmarks/NOTES.md).
+constexpr int64_t kChunk = 16;
+
+inline void few_rows_gemm(bool trans_a, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t kRows = 2, kVecs = 4, kWidth = kVecs * Vec::size();  // 2 x 64 outputs in registers
+  const auto a_at = [&](int64_t r, int64_t t) { return trans_a ? A[t * lda + r] : A[r * lda + t]; };
+  for (int64_t c0 = 0; c0 < N; c0 += kWidth) {
+    int64_t count[kVecs];  // valid lanes of each vector of this strip
+    for (int64_t v = 0; v < kVecs; ++v) count[v] = std::clamp<int64_t>(N - c0 - v * Vec::size(), 0, Vec::size());
+    Vec total[kRows][kVecs];
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t v = 0; v < kVecs; ++v) total[r][v] = Vec(0.f);
+    }
+    for (int64_t t0 = 0; t0 < K; t0 += kChunk) {
+      Vec chunk[kRows][kVecs];
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (int64_t v = 0; v < kVecs; ++v) chunk[r][v] = Vec(0.f);
+      }
+      for (int64_t t = t0; t < std::min(K, t0 + kChunk); ++t) {
+        const float* b = B + t * ldb + c0;
+        const Vec a0(a_at(0, t)), a1(M > 1 ? a_at(1, t) : 0.f);
+        for (int64_t v = 0; v < kVecs; ++v) {
+          if (count[v] == 0) continue;
+          const Vec bv = count[v] == Vec::size() ? Vec::loadu(b + v * Vec::size())
+                                                 : Vec::loadu(b + v * Vec::size(), count[v]);
+          chunk[0][v] = at::vec::fmadd(a0, bv, chunk[0][v]);
+          chunk[1][v] = at::vec::fmadd(a1, bv, chunk[1][v]);
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (int64_t v = 0; v < kVecs; ++v) total[r][v] = total[r][v] + chunk[r][v];
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t v = 0; v < kVecs; ++v) {
+        if (count[v] == 0) continue;
+        float* out = C + r * ldc + c0 + v * Vec::size();
+        Vec result = total[r][v] * Vec(alpha);
+        if (beta != 0.f) result = at::vec::fmadd(Vec(beta), Vec::loadu(out, count[v]), result);
+        result.store(out, count[v]);
+      }
+    }
+  }
+}
+
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulate_t<T> alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, accumulate_t<T> beta, accumulate_t<T>* C, int64_t ldc) {
   using acc_t = accumulate_t<T>;
   if (M == 0 || N == 0) return;
+  if constexpr (std::is_same_v<T, float>) {
+    if (M <= 2 && !trans_b && K > kChunk) {
+      few_rows_gemm(trans_a, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      return;
+    }
+  }
   if (K == 0) {
     for (int64_t r = 0; r < M; ++r) {
       for (int64_t c = 0; c < N; ++c) C[r * ldc + c] = beta == acc_t(0) ? acc_t(0) : beta * C[r * ldc + c];
