@@ -5,4 +5,6 @@ signatures documented in ``transformer_fast/<family>.py``, and ``compile_cases()
 (kernel, signature, constexprs, num_warps, num_stages) it may launch on a GPU, which
 ``python -m transformer_fast.kernels.compile_check`` compiles for sm_80 and sm_90 without a GPU.
 """
+from ._utils import interpreting  # noqa: F401
+
 FAMILIES = ("attention", "layer_norm", "linear_attention")

@@ -2,17 +2,23 @@
 import os
 
 import torch
-import triton
+
+
+# Both read once, here: Triton picks the interpreter when it decorates the kernels, which is when
+# they import this module, and reading the environment costs ~2 us a lookup on every small call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_POISON = os.environ.get("TRANSFORMER_FAST_POISON") == "1"
 
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tensors, the Triton interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
 
 
 def new_output(shape, dtype, device):
-    """torch.empty, or NaN-filled with TRANSFORMER_FAST_POISON=1 so tests catch unwritten elements."""
-    if os.environ.get("TRANSFORMER_FAST_POISON") == "1":
+    """torch.empty, or NaN-filled with TRANSFORMER_FAST_POISON=1 (set before the kernels are first
+    used) so tests catch unwritten elements."""
+    if _POISON:
         return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -35,5 +41,12 @@ def forced_tile_index():
         raise ValueError(f"TRANSFORMER_FAST_TILE must be a tile index (an integer), got {value!r}") from None
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints (triton.cdiv's constexpr wrapper costs ~5 us a call, as below)."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of 2 >= n (1 for n <= 1). Plain Python: triton.next_power_of_2 goes
+    through a constexpr wrapper that costs ~5 us a call, and launchers make several per call."""
+    return 1 << (max(int(n), 1) - 1).bit_length()

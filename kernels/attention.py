@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import autotune_configs, forced_tile_index, interpreting, new_output, next_power_of_2
+from ._utils import autotune_configs, cdiv, forced_tile_index, interpreting, new_output, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -587,7 +587,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     mask, mask_strides, _ = _mask_args(attn_mask, q)
     pad, pad_strides, kv_range = _padding_args(key_padding_mask, q)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p)
-    grid = lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), H, B)  # noqa: E731
+    grid = lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)  # noqa: E731
     attention_fwd_kernel[grid](
         q, k, v, out, lse, mask, pad, kv_range,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -619,7 +619,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
 
     delta = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
-    attention_bwd_preprocess_kernel[(triton.cdiv(Nq, pre_block), H, B)](
+    attention_bwd_preprocess_kernel[(cdiv(Nq, pre_block), H, B)](
         out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), H, Nq,
         HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block)
 
@@ -627,9 +627,9 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dk = new_output((B, Hk, Nk, D), k.dtype, k.device)
     dv = new_output((B, Hk, Nk, Dv), v.dtype, v.device)
     args = _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed)
-    attention_bwd_dkdv_kernel[lambda META: (triton.cdiv(Nk, META["BLOCK_N"]), Hk, B)](
+    attention_bwd_dkdv_kernel[lambda META: (cdiv(Nk, META["BLOCK_N"]), Hk, B)](
         q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta)
-    attention_bwd_dq_kernel[lambda META: (triton.cdiv(Nq, META["BLOCK_M"]), H, B)](
+    attention_bwd_dq_kernel[lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)](
         q, k, v, dout, lse, delta, dq, mask, pad, kv_range, *args, **meta)
     return dq, dk, dv
 

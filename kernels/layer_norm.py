@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting, new_output, next_power_of_2
+from ._utils import cdiv, interpreting, new_output, next_power_of_2
 
 MAX_TILE = 8192   # widest row kept whole in registers
 LOOP_TILE = 4096  # columns per step for wider rows
@@ -251,7 +251,7 @@ def _as_float_vector(name, t, N):
         return None
     if tuple(t.shape) != (N,):
         raise ValueError(f"layer_norm: {name} must have shape {(N,)}, got {tuple(t.shape)}")
-    return t.to(torch.float32).contiguous()
+    return (t if t.dtype == torch.float32 else t.to(torch.float32)).contiguous()
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
@@ -273,7 +273,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     block_m, block_n, single, warps = _tiles(N)
     dummy = x  # stands in for absent pointers; never read (the matching constexpr flag is off)
     r, hh = (residual, h) if residual is not None else (dummy, dummy)
-    grid = (triton.cdiv(M, block_m),)
+    grid = (cdiv(M, block_m),)
     layer_norm_fwd_kernel[grid](
         x, r, dummy if w is None else w, dummy if b is None else b, y, hh, dummy if mean is None else mean, rstd,
         x.stride(0), r.stride(0), y.stride(0), hh.stride(0), M, N, float(eps),
@@ -305,10 +305,10 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     mean = rstd if is_rms else mean.contiguous()
     dx = new_output((M, N), h.dtype, h.device)
     block_m, block_n, single, warps = _tiles(N, backward=True)
-    rows_per_program = triton.cdiv(M, _num_programs(h.device))
+    rows_per_program = cdiv(M, _num_programs(h.device))
     if single:
-        rows_per_program = triton.cdiv(rows_per_program, block_m) * block_m
-    programs = max(1, triton.cdiv(M, rows_per_program))
+        rows_per_program = cdiv(rows_per_program, block_m) * block_m
+    programs = max(1, cdiv(M, rows_per_program))
     # Partial sums: the single-tile kernel writes its whole row; the looped one accumulates into it.
     alloc = torch.empty if single else torch.zeros
     dw_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if w is not None else None

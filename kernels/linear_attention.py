@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting, new_output, next_power_of_2
+from ._utils import cdiv, interpreting, new_output, next_power_of_2
 
 # Causal scan modes.
 FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = (tl.constexpr(m) for m in range(5))
@@ -373,7 +373,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
     Dv = v.shape[3]
     na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
     blocks, num_warps, precision = _config(na, nc, q.dtype)
-    grid = (B * H, triton.cdiv(nc, blocks["BLOCK_C"]))
+    grid = (B * H, cdiv(nc, blocks["BLOCK_C"]))
     if den is None:
         return grid[1]
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, q)
@@ -396,7 +396,7 @@ def _num_splits(n, block_n, programs, device):
         target = 2 * programs  # two splits, so the tests cover the reduction
     else:
         target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(triton.cdiv(n, block_n), triton.cdiv(target, programs)))
+    return max(1, min(cdiv(n, block_n), cdiv(target, programs)))
 
 
 def _state(x, y, key_padding_mask, den, g):
@@ -404,10 +404,10 @@ def _state(x, y, key_padding_mask, den, g):
     B, H, N, D = x.shape
     Dv = y.shape[3]
     blocks, num_warps, precision = _config(D, Dv, x.dtype)
-    c_tiles = triton.cdiv(Dv, blocks["BLOCK_C"])
+    c_tiles = cdiv(Dv, blocks["BLOCK_C"])
     splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
-    chunks_per_split = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), splits)
-    splits = triton.cdiv(triton.cdiv(N, blocks["BLOCK_N"]), chunks_per_split)
+    chunks_per_split = cdiv(cdiv(N, blocks["BLOCK_N"]), splits)
+    splits = cdiv(cdiv(N, blocks["BLOCK_N"]), chunks_per_split)
     ws_s = torch.empty(B * H, splits, D, Dv, dtype=torch.float32, device=x.device)
     ws_z = torch.empty(B * H, splits, D, dtype=torch.float32, device=x.device)
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
@@ -428,7 +428,7 @@ def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     blocks, num_warps, precision = _config(D, Dv, x.dtype)
     block_m = blocks.pop("BLOCK_N")
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
-    apply_kernel[(B * H, triton.cdiv(N, block_m))](
+    apply_kernel[(B * H, cdiv(N, block_m))](
         x, y, mask, s, z, out, out2, den, g,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
         MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, BLOCK_M=block_m, **blocks,

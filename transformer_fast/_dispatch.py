@@ -36,15 +36,18 @@ _FAMILY = {
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the Triton kernels run under the interpreter (TRITON_INTERPRET=1 when they load)."""
+    module, reason = _load_triton()
+    return reason is None and module.interpreting()
 
 
 # --------------------------------------------------------------------------------------------
 # Loading the backends (each once per process; the failure reason is kept for the report)
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _load_triton():
-    """Returns (module, None) or (None, reason)."""
+    """Returns (module, None) or (None, reason). Loaded once."""
     try:
         import triton  # noqa: F401
 
@@ -207,6 +210,11 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: str | No
     return "reference"
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_family(family: str):
+    return importlib.import_module(f"transformer_fast.kernels.{family}")
+
+
 def kernel(name: str, backend: str):
     """The implementation of kernel-level function `name` in `backend`."""
     if backend == "cpp":
@@ -215,8 +223,7 @@ def kernel(name: str, backend: str):
         module, reason = _load_triton()
         if module is None:
             raise RuntimeError(f"the Triton backend is unavailable: {reason}")
-        family = importlib.import_module(f"transformer_fast.kernels.{_FAMILY[name]}")
-        return getattr(family, name)
+        return getattr(_triton_family(_FAMILY[name]), name)
     if backend == "reference":
         from . import _reference_kernels
 
