@@ -81,7 +81,6 @@ at::Tensor as_matrix(const T* data, int64_t rows, int64_t cols, int64_t ld, bool
 template <typename T>
 using accumulate_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-//
 // fp32 products with one or two rows of C (a single key's dV row, a single query's output or dQ
 // row) are made here: MKL takes its gemv path there, which adds the K products of each element
 // one after another, so the error grows like K (and the tiles and heads accumulated on top
