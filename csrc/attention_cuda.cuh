@@ -123,10 +123,15 @@ __device__ inline void row_dots(const float* rows, const float* x, int width, fl
 
 // acc[r] += w_c[r] * (row c of a staged tile) over the tile's entries c that are live for row r,
 // where w_c[r] is lane c's w[r]; the lanes hold the head dims lane, lane + 32, ... of acc's rows.
+// The tile's terms are summed on their own first and then added to acc: acc runs over every tile
+// (and, for dK/dV, every head of a GQA group), and one running sum over all of them lost up to
+// ~2x the reference's accuracy in the dV of a key that takes every row's probability (the same
+// corner as csrc/cpu_blas.h's few_rows_gemm; measured in the CPU emulation).
 template <int kDims>
 __device__ inline void accumulate_tile(float (&acc)[kRows][kDims], const float (&w)[kRows],
                                        const unsigned (&live)[kRows], const float* tile_rows, int ld, int width,
                                        int tile, int lane) {
+  float part[kRows][kDims] = {};
   for (int c = 0; c < tile; ++c) {
     const float* row = tile_rows + c * ld;
 #pragma unroll
@@ -136,9 +141,14 @@ __device__ inline void accumulate_tile(float (&acc)[kRows][kDims], const float (
 #pragma unroll
       for (int t = 0; t < kDims; ++t) {
         const int d = lane + 32 * t;
-        if (d < width) acc[r][t] += wc * row[d];
+        if (d < width) part[r][t] += wc * row[d];
       }
     }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < kDims; ++t) acc[r][t] += part[r][t];
   }
 }
 
