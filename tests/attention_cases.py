@@ -6,7 +6,7 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from helpers import compare_with_reference
+from helpers import assert_close_to_reference, compare_with_reference
 
 
 def make_qkv(B, H, Nq, Nk, D, Dv=None, *, Hk=None, dtype=torch.float32, layout="bhnd", device="cpu"):
@@ -78,6 +78,27 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
 
     return compare_with_reference(kernel, ref, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
                                   what=f"attention[{backend}]", atol=atol, gradient_formulation=flash)
+
+
+def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.0, what="dV"):
+    """Only dV of attention(q, k, v, enable_gqa=True, key_padding_mask=...) (fp32 inputs) against the
+    float64 reference, with `factor` times the reference's error (autograd's or flash_gradients',
+    the larger) as the bound and no absolute slack, for tests that pin dV's precision."""
+    dout = torch.randn(*q.shape[:3], v.shape[3], dtype=torch.float64)
+
+    def dv(fn, dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*inputs), inputs[2], dout.to(dtype))[0]
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, None, False, None, key_padding_mask=key_padding_mask)
+
+    def kernel(q, k, v):
+        return attention(q, k, v, enable_gqa=True, key_padding_mask=key_padding_mask)
+
+    flash_dv = flash_gradients(q, k, v, dout.float(), key_padding_mask=key_padding_mask)[2]
+    assert_close_to_reference(dv(kernel, torch.float32), dv(ref, torch.float64), [dv(ref, torch.float32), flash_dv],
+                              what=what, factor=factor, atol=0.0)
 
 
 def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
