@@ -45,9 +45,8 @@ def triton_interpreting() -> bool:
 # Loading the backends (each once per process; the failure reason is kept for the report)
 # --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _load_triton():
-    """Returns (module, None) or (None, reason). Loaded once."""
+    """Returns (module, None) or (None, reason)."""
     try:
         import triton  # noqa: F401
 
