@@ -2,10 +2,11 @@
 //
 // Queries and keys are processed in tiles with an online softmax, so nothing of size Nq x Nk is
 // ever allocated: each thread owns a (BLOCK_M x BLOCK_N) score tile and an fp32 output
-// accumulator. Tile products go through the CPU BLAS that PyTorch ships (cpu_blas.h): MKL for
-// fp32 and fp16, and for bf16 the packed brgemm micro-kernel (AMX) with operands packed once per
-// call, where the CPU has it (else MKL's bf16 gemm); bf16/fp16 tiles multiply in their own type
-// into fp32. The softmax goes through at::vec. The contract (shapes, strides, masks, lse) is in
+// accumulator. Tile products go through cpu_blas.h: fp32 through its AVX-512 register tiles
+// (the scores against K^T and V^T packed once per call) where the CPU has AVX-512, else MKL;
+// fp16 through MKL; bf16 through PyTorch's packed brgemm micro-kernel (AMX) with operands packed
+// once per call, where the CPU has it (else MKL's bf16 gemm). bf16/fp16 tiles multiply in their
+// own type into fp32. The softmax goes through at::vec. The contract (shapes, strides, masks, lse) is in
 // transformer_fast/attention.py.
 //
 // Masked positions are never multiplied by zero: a key that no row of a tile may attend to is
@@ -23,6 +24,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -352,6 +354,31 @@ inline const T* used_operand(const T* src, int64_t ld, int64_t width, const floa
   return scratch;
 }
 
+// Tasks [0, n) handed out one at a time, in order, to whichever thread asks next.
+class TaskQueue {
+ public:
+  explicit TaskQueue(int64_t n) : n_(n) {}
+  bool pop(int64_t& task) {
+    task = next_.fetch_add(1, std::memory_order_relaxed);
+    return task < n_;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t n_;
+};
+
+// Runs worker(queue) on each of at::parallel_for's threads, which take the tasks from one queue.
+// at::parallel_for alone gives each thread one fixed share of the tasks; when one core runs
+// slower for a while (common on a shared VM), the other then waits at the end of the call
+// (forward+backward 4% faster this way, benchmarks/NOTES.md). Each task writes its own outputs,
+// so which thread runs it does not change the result.
+template <typename Worker>
+void parallel_tasks(int64_t n, Worker&& worker) {
+  TaskQueue queue(n);
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) { worker(queue); });
+}
+
 struct Blocks {
   int64_t m, n;
 };
@@ -383,7 +410,7 @@ Blocks backward_blocks(const Problem& p) {
   return {std::min<int64_t>(128, forward_blocks(p).m), std::min<int64_t>(bn, p.Nk)};
 }
 
-// ---- Operands for the packed (AMX) tile products of cpu_blas.h, bf16 only.
+// ---- Operands for the packed tile products of cpu_blas.h: bf16 (AMX), and fp32's K^T and V^T.
 inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
 
 // Blocks of `block` rows of a (B, heads, N, W) tensor, each packed once as the B operand of a
@@ -401,16 +428,23 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
   const int64_t heads = t.size(1), N = t.size(2), W = t.size(3);
   PackedBlocks<scalar_t> packed;
   packed.n_blocks = (N + block - 1) / block;
-  packed.size = transpose ? cpu_blas::packed_size(W, block) : cpu_blas::packed_size(round_up_even(block), W);
+  packed.size = transpose ? cpu_blas::packed_size<scalar_t>(W, block)
+                          : cpu_blas::packed_size<scalar_t>(round_up_even(block), W);
   packed.storage = at::empty({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
   const scalar_t* data = t.data_ptr<scalar_t>();
   at::parallel_for(0, t.size(0) * heads * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
-    TileBuffer<scalar_t> scratch(round_up_even(block) * W);
+    TileBuffer<scalar_t> scratch(std::is_same_v<scalar_t, float> ? 0 : round_up_even(block) * W);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / packed.n_blocks, n = task % packed.n_blocks;
       const int64_t j0 = n * block, rows = std::min(block, N - j0);
       const scalar_t* src = data + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j0 * t.stride(2);
       scalar_t* dst = packed.at(bh, n);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (transpose) {  // (fp32 packs only transposes: the score products' K^T and V^T)
+          cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst);
+          continue;
+        }
+      }
       if (transpose) {
         at::from_blob(scratch.data(), {W, rows}, t.options())
             .copy_(at::from_blob(const_cast<scalar_t*>(src), {rows, W}, {t.stride(2), 1}, t.options()).t());
@@ -474,13 +508,48 @@ inline bool packing_pays_off(int64_t rows_per_block) {
   return rows_per_block >= (env != nullptr ? std::atoll(env) : 256);
 }
 
+// Whether the scores S = Q K^T go through K^T packed once per call (bf16/fp16: AMX brgemm; fp32:
+// cpu_blas's register tiles, in panels). The forward and the backward decide it alike, so that
+// the backward recomputes the forward's scores bit for bit (see score_tile).
+template <typename scalar_t>
+bool packed_scores(const Problem& p) {
+  return cpu_blas::packed_products_available<scalar_t>() && p.D % 2 == 0 && packing_pays_off(p.Nq * (p.H / p.Hk));
+}
+
+// C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product. fp32:
+// in units of unit.m x unit.n, each through the packed panels (register tiles) where it has at
+// least cpu_blas::kRegisterMinDim rows and columns, else through MKL, which makes such small
+// products more accurately (cpu_blas.h). The forward and the backward split the same rows and
+// keys into the same units (see score_tile), so they choose alike for every score.
+template <typename scalar_t>
+void packed_nt_product(const Blocks& unit, int64_t bm, int64_t bn, int64_t K, const scalar_t* A, int64_t lda,
+                       const scalar_t* b_rows, int64_t ldb, const scalar_t* b_packed, float* C, int64_t ldc) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    cpu_blas::packed_gemm(bm, bn, K, A, lda, b_packed, false, C, ldc);
+  } else {
+    for (int64_t r = 0; r < bm; r += unit.m) {
+      for (int64_t c = 0; c < bn; c += unit.n) {
+        const int64_t rows = std::min(unit.m, bm - r), cols = std::min(unit.n, bn - c);
+        float* out = C + r * ldc + c;
+        if (cpu_blas::register_tiles_suit(rows, cols)) {
+          cpu_blas::packed_gemm(rows, cols, K, A + r * lda, lda, cpu_blas::packed_columns(b_packed, K, c), false, out,
+                                ldc);
+        } else {
+          gemm(false, true, rows, cols, K, 1.f, A + r * lda, lda, b_rows + c * ldb, ldb, 0.f, out, ldc);
+        }
+      }
+    }
+  }
+}
+
 // S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
-// brgemm has no alpha, so there the scale is left for the exponent (returned: what S still has to
-// be multiplied by) unless a float mask must be added to scaled scores (or scale <= 0, where
-// max(s) * scale is not the scaled row's max): then it is applied here. MKL's products are made
-// in units of unit.m x unit.n (the backward's tiles; see backward_blocks) so that the forward
-// and the backward compute every score the same way. (The packed bf16 path rounds P to bf16,
-// which is far coarser than a differently summed fp32 score.)
+// The packed products take no alpha, so there the scale is left for the exponent (returned: what
+// S still has to be multiplied by) unless a float mask must be added to scaled scores (or
+// scale <= 0, where max(s) * scale is not the scaled row's max): then it is applied here. MKL
+// sums a product in an order that depends on the shape of the call, so its products are made in
+// units of unit.m x unit.n (the backward's tiles; see backward_blocks): the forward and the
+// backward then compute every score the same way. (The packed bf16 path rounds P to bf16, which
+// is far coarser than a differently summed fp32 score.)
 template <typename scalar_t>
 float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar_t* qt, int64_t qsn,
                  const scalar_t* k_tile, int64_t ksn, const scalar_t* kt_packed, int64_t bm, int64_t bn, float* S,
@@ -494,7 +563,7 @@ float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar
     }
     return 1.f;
   }
-  cpu_blas::packed_gemm(bm, bn, p.D, qt, qsn, kt_packed, false, S, ldS);
+  packed_nt_product(unit, bm, bn, p.D, qt, qsn, k_tile, ksn, kt_packed, S, ldS);
   if (p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool)) return p.scale;
   for (int64_t r = 0; r < bm; ++r) scale_row(S + r * ldS, bn, p.scale);
   return 1.f;
@@ -524,19 +593,20 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const int64_t D = p.D, Dv = p.Dv;
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
   // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
-  const bool packed =
-      cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && packing_pays_off(p.Nq * group);
+  // fp32 packs only K^T: its P V product needs no packing (cpu_blas::register_gemm).
+  const bool packed = packed_scores<scalar_t>(p), packed_values = packed && kLowp;
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
-  const PackedBlocks<scalar_t> packed_v = packed ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
+  const PackedBlocks<scalar_t> packed_v =
+      packed_values ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
 
-  at::parallel_for(0, p.B * p.H * n_mblocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(p.B * p.H * n_mblocks, [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
-    const cpu_blas::PackedProductsGuard packed_products(packed);
+    const cpu_blas::PackedProductsGuard packed_products(packed_values);
     TileBuffer<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
-    TileBuffer<scalar_t> v_packed(packed ? packed_v.size : 0);
-    for (int64_t task = begin; task < end; ++task) {
+    TileBuffer<scalar_t> v_packed(packed_values ? packed_v.size : 0);
+    for (int64_t task; tasks.pop(task);) {
       const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
       const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
       const int64_t i0 = mb * BM, bm = std::min(BM, p.Nq - i0);
@@ -588,7 +658,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         UsedKeys used{0, bn, false};
         if (masked) used = used_keys(colsum.data(), bn);
         if (used.hi <= used.lo) continue;
-        if (packed) {
+        if (packed_values) {
           const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes
                                    ? pack_used_rows(vb + j0 * vsn, vsn, Dv, colsum.data(), bn, v_scratch.data(),
                                                     v_packed.data())
@@ -676,29 +746,34 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   scalar_t* dk_data = dk.data_ptr<scalar_t>();
   scalar_t* dv_data = dv.data_ptr<scalar_t>();
 
-  // Packed (AMX) products: all five B operands packed once (K^T, V^T, K per key block; Q, dO
-  // per query block); P^T and dS^T are written transposed. They take no alpha: the softmax
-  // scale goes into the exponent (score_tile) and into the final dQ sum (dq_scale).
-  const bool packed = cpu_blas::packed_products_available<scalar_t>() && D % 2 == 0 && Dv % 2 == 0 &&
-                      packing_pays_off(p.Nq * group) && packing_pays_off(p.Nk);
+  // Packed products. bf16/fp16 (AMX): all five B operands packed once (K^T, V^T, K per key
+  // block; Q, dO per query block); P^T and dS^T are written transposed. They take no alpha: the
+  // softmax scale goes into the exponent (score_tile) and into the final dQ sum (dq_scale).
+  // fp32: K^T and V^T only, for S and dP; the other three products need no packing.
+  const bool packed =
+      packed_scores<scalar_t>(p) && (!kLowp || (Dv % 2 == 0 && packing_pays_off(p.Nk)));
+  const bool packed_updates = packed && kLowp;
   PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
   if (packed) {
     packed_kt = pack_blocks<scalar_t>(k, BN, true);
     packed_vt = pack_blocks<scalar_t>(v, BN, true);
+  }
+  if (packed_updates) {
     packed_k = pack_blocks<scalar_t>(k, BN, false);
     packed_q = pack_blocks<scalar_t>(q, BM, false);
     packed_do = pack_blocks<scalar_t>(dout, BM, false);
   }
-  const float dq_scale = packed ? p.scale : 1.f;
+  const float dq_scale = packed_updates ? p.scale : 1.f;
   const int64_t ldP = round_up_even(BN), ldT = round_up_even(BM);
 
-  at::parallel_for(0, units * n_splits, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(units * n_splits, [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
-    const cpu_blas::PackedProductsGuard packed_products(packed);
+    const cpu_blas::PackedProductsGuard packed_products(packed_updates);
     TileBuffer<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
-    TileBuffer<scalar_t> PT(packed ? BN * ldT : 0), dST(packed ? BN * ldT : 0), k_packed(packed ? packed_k.size : 0);
-    for (int64_t task = begin; task < end; ++task) {
+    TileBuffer<scalar_t> PT(packed_updates ? BN * ldT : 0), dST(packed_updates ? BN * ldT : 0),
+        k_packed(packed_updates ? packed_k.size : 0);
+    for (int64_t task; tasks.pop(task);) {
       const int64_t split = task % n_splits, bhk = task / n_splits;
       const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
       const scalar_t* kb = k_data + b * ksb + hk * ksh;
@@ -743,7 +818,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
             if (packed) {
-              cpu_blas::packed_gemm(bm, bn, Dv, dot, dsn, packed_vt.at(bhk, n), false, dP.data(), BN);
+              packed_nt_product(blk, bm, bn, Dv, dot, dsn, vb + j0 * vsn, vsn, packed_vt.at(bhk, n), dP.data(), BN);
             } else {
               gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb + j0 * vsn, vsn, 0.f, dP.data(), BN);
             }
@@ -770,7 +845,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 if (bn % 2) dS_lowp[r * ldP + bn] = scalar_t(0);  // meets the packed K's zero row
               }
             }
-            if (packed) {
+            if (packed_updates) {
               // dV += P^T dO, dK += dS^T Q (over all bn keys: unused ones have P = dS = 0 and
               // finite operands), dQ += dS K (unscaled; K's unused rows zeroed when there are any)
               transpose_to(P_lowp.data(), ldP, bm, bn, PT.data(), ldT);

@@ -4,7 +4,8 @@
 // exports (MKL on x86-64 wheels: sgemm_, dgemm_, cblas_gemm_bf16bf16f32, which is what
 // cpublas::gemm calls inside PyTorch) is looked up at load time; where a symbol is missing the
 // product goes through at::addmm_ on tensor views instead (slower: per-call overhead).
-// TRANSFORMER_FAST_ATEN_GEMM=1 forces that fallback (for debugging).
+// TRANSFORMER_FAST_ATEN_GEMM=1 forces that fallback (for debugging). On AVX-512 CPUs, fp32
+// products of 16 rows and columns or more are made here instead, in registers (register_gemm).
 #pragma once
 
 #include "cpu_capability.h"  // before any ATen header: at::vec's ISA
@@ -15,10 +16,13 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <dlfcn.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
-
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <type_traits>
 
@@ -134,6 +138,105 @@ inline void few_rows_gemm(bool trans_a, int64_t M, int64_t N, int64_t K, float a
   }
 }
 
+// Products with fewer rows or columns than this stay with MKL, which makes them as dot products
+// (partial sums across vector lanes): more accurate than one FMA chain per element, e.g. a
+// 2 x 64 x 256 product's error 4.5e-6 against 1.2e-5 (benchmarks/NOTES.md), and the fp32
+// reference makes them the same way.
+constexpr int64_t kRegisterMinDim = 16;
+inline bool register_tiles_suit(int64_t M, int64_t N) { return M >= kRegisterMinDim && N >= kRegisterMinDim; }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// fp32 products in registers (AVX-512): C = alpha * op(A) B (+ C), B row-major. A strip of 64
+// columns of C is made 6 rows at a time: 24 vector accumulators; per step of k, 4 vectors of B's
+// row k and 6 broadcast elements of A's column k feed 24 FMAs, so the FMA ports, not the loads,
+// set the pace. A is read one element at a time, a(i, k) = A[i * a_row + k * a_col], so op(A) may
+// be A or A^T at no cost, and neither operand is packed. MKL packs both operands on every call,
+// which costs it ~15% on the attention's tile shapes (128 x 512 x 64 and its transposes;
+// benchmarks/NOTES.md). Every element of C is one chain of FMAs over k in order, added to C
+// every kRegisterChunk steps: the same rounding whatever the shape of the call, so a score
+// computed in the forward's tiles equals the backward's. (Shorter chunks cost speed: 32 made
+// forward+backward 5% slower, 16 made it 16% slower.)
+constexpr int64_t kRegisterRows = 6, kRegisterVecs = 4, kRegisterChunk = 128;
+
+template <int MR, int NV>
+inline void register_tile(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
+                          float alpha, bool accumulate, float* C, int64_t ldc, __mmask16 last_lanes) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      b[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last_lanes, B + k * ldb + 16 * v) : _mm512_loadu_ps(B + k * ldb + 16 * v);
+    }
+    const float* a = A + k * a_col;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i * a_row]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, b[v], acc[i][v]);
+    }
+  }
+  const __m512 valpha = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* c = C + i * ldc + 16 * v;
+      const __mmask16 lanes = v == NV - 1 ? last_lanes : static_cast<__mmask16>(0xFFFF);
+      __m512 result = _mm512_mul_ps(acc[i][v], valpha);
+      if (accumulate) result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes, c));
+      _mm512_mask_storeu_ps(c, lanes, result);
+    }
+  }
+}
+
+template <int NV>
+void register_tile_strip(int64_t M, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
+                         int64_t ldb, float alpha, bool accumulate, float* C, int64_t ldc, __mmask16 last_lanes) {
+  constexpr int MR = kRegisterRows;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) {
+    register_tile<MR, NV>(K, A + i * a_row, a_row, a_col, B, ldb, alpha, accumulate, C + i * ldc, ldc, last_lanes);
+  }
+  const float* a = A + i * a_row;
+  float* c = C + i * ldc;
+  switch (M - i) {
+    case 5: return register_tile<5, NV>(K, a, a_row, a_col, B, ldb, alpha, accumulate, c, ldc, last_lanes);
+    case 4: return register_tile<4, NV>(K, a, a_row, a_col, B, ldb, alpha, accumulate, c, ldc, last_lanes);
+    case 3: return register_tile<3, NV>(K, a, a_row, a_col, B, ldb, alpha, accumulate, c, ldc, last_lanes);
+    case 2: return register_tile<2, NV>(K, a, a_row, a_col, B, ldb, alpha, accumulate, c, ldc, last_lanes);
+    case 1: return register_tile<1, NV>(K, a, a_row, a_col, B, ldb, alpha, accumulate, c, ldc, last_lanes);
+    default: return;
+  }
+}
+
+inline void register_gemm(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t a_row, int64_t a_col,
+                          const float* B, int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  constexpr int64_t kWidth = kRegisterVecs * 16;
+  for (int64_t k0 = 0; k0 < K; k0 += kRegisterChunk) {
+    const int64_t chunk = std::min(kRegisterChunk, K - k0);
+    const bool add = accumulate || k0 > 0;
+    for (int64_t j = 0; j < N; j += kWidth) {
+      const int64_t width = std::min(kWidth, N - j), vecs = (width + 15) / 16;
+      const __mmask16 last_lanes = static_cast<__mmask16>((1u << (width - 16 * (vecs - 1))) - 1);
+      const float* a = A + k0 * a_col;
+      const float* b = B + k0 * ldb + j;
+      switch (vecs) {
+        case 4: register_tile_strip<4>(M, chunk, a, a_row, a_col, b, ldb, alpha, add, C + j, ldc, last_lanes); break;
+        case 3: register_tile_strip<3>(M, chunk, a, a_row, a_col, b, ldb, alpha, add, C + j, ldc, last_lanes); break;
+        case 2: register_tile_strip<2>(M, chunk, a, a_row, a_col, b, ldb, alpha, add, C + j, ldc, last_lanes); break;
+        default: register_tile_strip<1>(M, chunk, a, a_row, a_col, b, ldb, alpha, add, C + j, ldc, last_lanes); break;
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulate_t<T> alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, accumulate_t<T> beta, accumulate_t<T>* C, int64_t ldc) {
@@ -144,6 +247,12 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulat
       few_rows_gemm(trans_a, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
       return;
     }
+#if defined(CPU_CAPABILITY_AVX512)
+    if (!trans_b && K > 0 && (beta == 0.f || beta == 1.f) && register_tiles_suit(M, N)) {
+      register_gemm(M, N, K, alpha, A, trans_a ? 1 : lda, trans_a ? lda : 1, B, ldb, beta == 1.f, C, ldc);
+      return;
+    }
+#endif
   }
   if (K == 0) {
     for (int64_t r = 0; r < M; ++r) {
@@ -199,6 +308,12 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulat
 // TRANSFORMER_FAST_NO_BRGEMM=1 turns the packed path off (the plain gemm above is used).
 template <typename T>
 bool packed_products_available() {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    static const bool available = std::getenv("TRANSFORMER_FAST_NO_BRGEMM") == nullptr;
+    return available;
+  }
+#endif
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     static const bool available =
@@ -209,13 +324,33 @@ bool packed_products_available() {
   return false;
 }
 
-// Elements of the packed form of a (K x N) B operand (K even).
-inline int64_t packed_size(int64_t K, int64_t N) { return K * N; }
+// fp32 (AVX-512): B in panels of kPanel columns, each (K x kPanel) row-major, for register_gemm.
+// Used for the products whose B is a transposed operand (K^T in the scores): register_gemm wants
+// B's rows contiguous, and a panel keeps a strip's K rows together (rows of a 512-column K^T lie
+// 2 KB apart, which maps them onto the same few L1 sets).
+constexpr int64_t kPanel = 64;
 
-// Packs the row-major (K x N) matrix src (leading dimension ld, K even) into dst in VNNI order:
-// dst[(k / 2) * 2N + 2n + k % 2] = src[k][n].
+// The packed fp32 B from column c on (c a multiple of kPanel), itself a packed operand.
+inline const float* packed_columns(const float* B_packed, int64_t K, int64_t c) { return B_packed + c * K; }
+
+// Elements of the packed form of a (K x N) B operand (bf16/fp16: K even).
+template <typename T>
+int64_t packed_size(int64_t K, int64_t N) {
+  if constexpr (std::is_same_v<T, float>) return K * ((N + kPanel - 1) / kPanel) * kPanel;
+  return K * N;
+}
+
+// Packs the row-major (K x N) matrix src (leading dimension ld) into dst: fp32 in panels (above);
+// bf16/fp16 (K even) in VNNI order, dst[(k / 2) * 2N + 2n + k % 2] = src[k][n].
 template <typename T>
 void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < N; j += kPanel) {
+      const int64_t width = std::min(kPanel, N - j);
+      for (int64_t k = 0; k < K; ++k) std::memcpy(dst + j * K + k * kPanel, src + k * ld + j, width * sizeof(float));
+    }
+    return;
+  }
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (sizeof(T) == 2) {  // at::vec's AVX-512 2 x 32 register transposes
     at::vec::pack_vnni2(src, dst, ld, K, N);
@@ -233,11 +368,31 @@ void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
   }
 }
 
+// pack_b of the transpose of src, a row-major (N x K) fp32 matrix with leading dimension ld: each
+// panel written in one transposing copy.
+inline void pack_b_transposed(const float* src, int64_t ld, int64_t N, int64_t K, float* dst) {
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
+  for (int64_t j = 0; j < N; j += kPanel) {
+    const int64_t width = std::min(kPanel, N - j);
+    at::from_blob(dst + j * K, {K, width}, {kPanel, 1}, options)
+        .copy_(at::from_blob(const_cast<float*>(src + j * ld), {width, K}, {ld, 1}, options).t());
+  }
+}
+
 // Row-major C (M x N) = A (M x K) B, or C += A B when accumulate; B packed by pack_b with the same
 // K (even) and N. Only called where packed_products_available<T>().
 template <typename T>
 void packed_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B_packed, bool accumulate,
                  float* C, int64_t ldc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < N; j += kPanel) {
+      register_gemm(M, std::min(kPanel, N - j), K, 1.f, A, lda, 1, packed_columns(B_packed, K, j), kPanel, accumulate,
+                    C + j, ldc);
+    }
+    return;
+  }
+#endif
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
   at::native::cpublas::brgemm(M, N, K, lda, N, ldc, accumulate, A, B_packed, C, /*is_vnni=*/true);
 #else
