@@ -369,13 +369,11 @@ void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
 }
 
 // pack_b of the transpose of src, a row-major (N x K) fp32 matrix with leading dimension ld: each
-// panel written in one transposing copy.
+// panel written in one transposing pass (at::vec's 16 x 16 register transposes).
 inline void pack_b_transposed(const float* src, int64_t ld, int64_t N, int64_t K, float* dst) {
-  const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat);
   for (int64_t j = 0; j < N; j += kPanel) {
-    const int64_t width = std::min(kPanel, N - j);
-    at::from_blob(dst + j * K, {K, width}, {kPanel, 1}, options)
-        .copy_(at::from_blob(const_cast<float*>(src + j * ld), {width, K}, {ld, 1}, options).t());
+    at::vec::transpose_mxn<float>(src + j * ld, ld, dst + j * K, kPanel, static_cast<int>(std::min(kPanel, N - j)),
+                                  static_cast<int>(K));
   }
 }
 
