@@ -22,8 +22,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace transformer_fast {
@@ -150,8 +150,8 @@ inline bool register_tiles_suit(int64_t M, int64_t N) { return M >= kRegisterMin
 // columns of C is made 6 rows at a time: 24 vector accumulators; per step of k, 4 vectors of B's
 // row k and 6 broadcast elements of A's column k feed 24 FMAs, so the FMA ports, not the loads,
 // set the pace. A is read one element at a time, a(i, k) = A[i * a_row + k * a_col], so op(A) may
-// be A or A^T at no cost, and neither operand is packed. MKL packs both operands on every call,
-// which costs it ~15% on the attention's tile shapes (128 x 512 x 64 and its transposes;
+// be A or A^T at no cost, and neither operand is packed. MKL packs operands on every call, which
+// cost it 15-20% on the attention's NN and TN tile products (128 x 512 x 64 and its transposes;
 // benchmarks/NOTES.md). Every element of C is one chain of FMAs over k in order, added to C
 // every kRegisterChunk steps: the same rounding whatever the shape of the call, so a score
 // computed in the forward's tiles equals the backward's. (Shorter chunks cost speed: 32 made
