@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import autotune_configs, cdiv, forced_tile_index, interpreting, new_output, next_power_of_2
+from ._utils import (LAUNCH_OPTIONS, autotune_configs, cdiv, forced_tile_index, interpreting, new_output,
+                     next_power_of_2)
 
 LOG2E = 1.4426950408889634
 
@@ -171,7 +172,11 @@ _FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
     128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
     256: [(64, 64, 8, 2), (64, 32, 4, 2)],  # (64, 64, 4 warps) spills here
 }
-_FWD_TILES_FP32 = {d: [(32, 32, 4, 2)] for d in (64, 128, 256)}  # ieee dot: no tensor cores
+# fp32 (ieee dots on CUDA cores). One tile per head dim, picked with the compile check: the one
+# that spills least on sm_80 and sm_90 across plain inputs, causal + padding + bool mask, and
+# causal + padding + float mask + dropout. ptxas is erratic here: (32, 32, 4 warps, 2 stages)
+# at head dim 256 was given 32 registers and 67-77 KB of spills per thread.
+_FWD_TILES_FP32 = {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 1)], 256: [(16, 16, 4, 1)]}
 _FWD_TILES = _all_tiles(_FWD_TILES_LOWP, _FWD_TILES_FP32)
 
 
@@ -355,11 +360,12 @@ _DQ_TILES_LOWP = {
     128: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
     256: [(32, 32, 8, 1), (64, 32, 8, 1)],
 }
-_BWD_TILES_FP32 = {d: [(32, 32, 8, 1)] for d in (64, 128, 256)}
+_DKDV_TILES_FP32 = {64: [(32, 32, 8, 1)], 128: [(32, 32, 8, 1)], 256: [(16, 32, 8, 1)]}  # chosen as _FWD_TILES_FP32
+_DQ_TILES_FP32 = {64: [(32, 32, 8, 1)], 128: [(32, 16, 8, 1)], 256: [(16, 32, 8, 1)]}
 
 
-@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DKDV_TILES_LOWP, _BWD_TILES_FP32))),
-                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DKDV_TILES_LOWP, _BWD_TILES_FP32)})
+@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DKDV_TILES_LOWP, _DKDV_TILES_FP32))),
+                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DKDV_TILES_LOWP, _DKDV_TILES_FP32)})
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dkdv_kernel(
         Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Pad, KvRange,
@@ -463,8 +469,8 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn
     return dq
 
 
-@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DQ_TILES_LOWP, _BWD_TILES_FP32))),
-                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _BWD_TILES_FP32)})
+@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DQ_TILES_LOWP, _DQ_TILES_FP32))),
+                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _DQ_TILES_FP32)})
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dq_kernel(
         Q, K, V, DOut, Lse, Delta, DQ, Mask, Pad, KvRange,
@@ -576,7 +582,8 @@ def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
     block_d, block_dv = _block_dims(D, Dv)
     return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
                 MASK_KIND=_mask_args(attn_mask, q)[2], HAS_PAD=key_padding_mask is not None,
-                HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                **LAUNCH_OPTIONS)
 
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
@@ -621,7 +628,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
     attention_bwd_preprocess_kernel[(cdiv(Nq, pre_block), H, B)](
         out, dout, delta, dout.stride(0), dout.stride(1), dout.stride(2), H, Nq,
-        HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block)
+        HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block, **LAUNCH_OPTIONS)
 
     dq = new_output((B, H, Nq, D), q.dtype, q.device)
     dk = new_output((B, Hk, Nk, D), k.dtype, k.device)
@@ -676,7 +683,7 @@ def _divisibility(fn, head_d, head_dv):
 
 def compile_cases():
     """Every autotune tile of each kernel for each head-dim class (fp16, plain; one head-dim-128
-    tile with causal + padding + bool mask), the fp32 tile, dropout, a float
+    tile with causal + padding + bool mask), the fp32 tile of each class, dropout, a float
     mask with odd head dims, and the backward preprocess; forward fp16/bf16 cases must use wgmma
     on sm_90."""
     cases = []
@@ -705,8 +712,8 @@ def compile_cases():
 
     heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
     kernels = ((attention_fwd_kernel, "attention_fwd", _FWD_TILES_LOWP, _FWD_TILES_FP32),
-               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _DKDV_TILES_LOWP, _BWD_TILES_FP32),
-               (attention_bwd_dq_kernel, "attention_bwd_dq", _DQ_TILES_LOWP, _BWD_TILES_FP32))
+               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _DKDV_TILES_LOWP, _DKDV_TILES_FP32),
+               (attention_bwd_dq_kernel, "attention_bwd_dq", _DQ_TILES_LOWP, _DQ_TILES_FP32))
     for kernel, name, lowp, fp32 in kernels:
         forward = kernel is attention_fwd_kernel
         for cls, (d, dv) in heads.items():
@@ -716,9 +723,10 @@ def compile_cases():
                 full = cls == 128 and i == 0
                 add(kernel, name, torch.float16, d, dv, tile, causal=full, mask_kind=1 if full else 0, pad=full,
                     expect_wgmma=forward)
-        # fp32 (one tile for every head dim; checked at the largest), dropout, and a float mask with
-        # odd head dims (padded inside the kernel)
-        add(kernel, name, torch.float32, 256, 256, fp32[256][0], causal=True, mask_kind=1, pad=True)
+        # fp32 (each head-dim class's tile, with causal + padding + bool mask), dropout, and a float
+        # mask with odd head dims (padded inside the kernel)
+        for cls, (d, dv) in heads.items():
+            add(kernel, name, torch.float32, d, dv, fp32[cls][0], causal=True, mask_kind=1, pad=True)
         add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
         add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)

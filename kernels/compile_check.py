@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from ._utils import LAUNCH_OPTIONS
+
 
 def _nvidia_bin(tool):
     import triton
@@ -71,7 +73,7 @@ def compile_case(case: dict, cap: int) -> dict:
     # "attrs" (optional): {(arg index,): [["tt.divisibility", 16]]}, the specialization Triton gives
     # at launch to pointers and ints divisible by 16 (vectorized loads; registers differ without it)
     source = ASTSource(case["fn"], case["signature"], case.get("constexprs", {}), case.get("attrs"))
-    options = {"num_warps": case.get("num_warps", 4), "num_stages": case.get("num_stages", 3)}
+    options = {"num_warps": case.get("num_warps", 4), "num_stages": case.get("num_stages", 3), **LAUNCH_OPTIONS}
     compiled = triton.compile(source, target=GPUTarget("cuda", cap, 32), options=options)
     registers, spills = _ptxas_report(compiled.asm["ptx"])
     report = {"name": case["name"], "arch": f"sm_{cap}", "num_warps": options["num_warps"],

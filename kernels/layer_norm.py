@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, interpreting, new_output, next_power_of_2
+from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2
 
 MAX_TILE = 8192   # widest row kept whole in registers
 LOOP_TILE = 4096  # columns per step for wider rows
@@ -278,7 +278,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
         x, r, dummy if w is None else w, dummy if b is None else b, y, hh, dummy if mean is None else mean, rstd,
         x.stride(0), r.stride(0), y.stride(0), hh.stride(0), M, N, float(eps),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, IS_RMS=bool(is_rms),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps, **LAUNCH_OPTIONS)
     return y, h, mean, rstd
 
 
@@ -320,7 +320,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
         dummy if dw_partial is None else dw_partial, dummy if db_partial is None else db_partial,
         dy.stride(0), dhh.stride(0), h.stride(0), dx.stride(0), M, N, rows_per_program,
         HAS_DH=dh is not None, HAS_WEIGHT=w is not None, HAS_BIAS=bias is not None, IS_RMS=bool(is_rms),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps, **LAUNCH_OPTIONS)
     dweight = None if weight is None else dw_partial.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_partial.sum(0).to(bias.dtype)
     return dx, dweight, dbias

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, interpreting, new_output, next_power_of_2
+from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2
 
 # Causal scan modes.
 FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = (tl.constexpr(m) for m in range(5))
@@ -381,7 +381,8 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
         q, k, v, dout, mask, den, p, out,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn,
         H, N, D, Dv, n_ptiles, eps,
-        MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, **blocks, num_warps=num_warps, num_stages=2)
+        MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, **blocks, num_warps=num_warps, num_stages=2,
+        **LAUNCH_OPTIONS)
     return grid[1]
 
 
@@ -416,7 +417,7 @@ def _state(x, y, key_padding_mask, den, g):
         x, y, mask, den if backward else ws_z, g if backward else ws_z, ws_s, ws_z,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, chunks_per_split,
         BACKWARD=backward, HAS_MASK=has_mask, PRECISION=precision, **blocks,
-        num_warps=num_warps, num_stages=2)
+        num_warps=num_warps, num_stages=2, **LAUNCH_OPTIONS)
     if splits == 1:
         return ws_s[:, 0], ws_z[:, 0]
     return ws_s.sum(1), ws_z.sum(1)
@@ -432,7 +433,7 @@ def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
         x, y, mask, s, z, out, out2, den, g,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
         MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, BLOCK_M=block_m, **blocks,
-        num_warps=num_warps, num_stages=2)
+        num_warps=num_warps, num_stages=2, **LAUNCH_OPTIONS)
 
 
 def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):

@@ -277,14 +277,18 @@ def test_forced_tile_selects_one_candidate(monkeypatch):
 
     tiles = ka._DKDV_TILES_LOWP[128]
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in ka._all_tiles(ka._DKDV_TILES_LOWP, ka._BWD_TILES_FP32)]
-    prune = ka._prune(ka._DKDV_TILES_LOWP, ka._BWD_TILES_FP32)
+               for m, n, w, s in ka._all_tiles(ka._DKDV_TILES_LOWP, ka._DKDV_TILES_FP32)]
+    prune = ka._prune(ka._DKDV_TILES_LOWP, ka._DKDV_TILES_FP32)
     args = dict(BLOCK_D=128, BLOCK_DV=64, DOT_PRECISION="tf32")
     monkeypatch.delenv("TRANSFORMER_FAST_TILE", raising=False)
     assert sorted(_tile_of(c) for c in prune(configs, args)) == sorted(tiles)
     for i in range(len(tiles) + 1):
         monkeypatch.setenv("TRANSFORMER_FAST_TILE", str(i))
         assert [_tile_of(c) for c in prune(configs, args)] == [tiles[i % len(tiles)]]
+    monkeypatch.delenv("TRANSFORMER_FAST_TILE")
+    for head in (64, 128, 256):  # fp32 (ieee dots) takes its own table
+        args = dict(BLOCK_D=head, BLOCK_DV=head, DOT_PRECISION="ieee")
+        assert [_tile_of(c) for c in prune(configs, args)] == ka._DKDV_TILES_FP32[head]
 
 
 @pytest.mark.gpu
