@@ -354,6 +354,23 @@ inline const T* used_operand(const T* src, int64_t ld, int64_t width, const floa
   return scratch;
 }
 
+// bf16/fp16: the tile products P V, dS K (over a tile's keys) and P^T dO, dS^T Q (over its query
+// rows) take P and dS rounded to the inputs' dtype, a rounding as large as the result's own. Over
+// many terms it averages out; over a handful it does not: fuzzing found gradients of 1-9 queries,
+// or of queries with 1-3 keys, at 2-4x the reference's error. Tile products over at most this
+// many terms take P and dS in fp32 instead, with the other operand's few rows converted to fp32.
+// Not done in the packed products (no other products are mixed into brgemm's AMX tile state, and
+// there at least 256 query rows share a block, so short products are rare), nor for rows with few
+// keys inside a longer tile, such as a causal tile's first rows.
+constexpr int64_t kShortReduction = 16;
+
+// rows x width of a strided bf16/fp16 operand as fp32, packed (ld = width) into dst.
+template <typename T>
+const float* rows_as_float(const T* src, int64_t ld, int64_t rows, int64_t width, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) at::vec::convert(src + r * ld, dst + r * width, width);
+  return dst;
+}
+
 // Tasks [0, n) handed out one at a time, in order, to whichever thread asks next.
 class TaskQueue {
  public:
@@ -606,6 +623,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
     TileBuffer<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
     TileBuffer<scalar_t> v_packed(packed_values ? packed_v.size : 0);
+    TileBuffer<float> v_float(kLowp ? kShortReduction * Dv : 0);
     for (int64_t task; tasks.pop(task);) {
       const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
       const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
@@ -625,8 +643,9 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
                                          packed ? packed_kt.at(b * p.Hk + hk, n) : nullptr, bm, bn, S.data(), BN);
         const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
-        // Unmasked tiles without dropout write P straight into the product's operand.
-        const bool direct = kLowp && !masked && !p.dropout.active();
+        // Unmasked tiles without dropout write P straight into the product's operand, unless the
+        // tile is short enough for fp32 products (kShortReduction), which read P from S.
+        const bool direct = kLowp && !masked && !p.dropout.active() && bn > kShortReduction;
         for (int64_t r = 0; r < bm; ++r) {
           float* s = S.data() + r * BN;
           scalar_t* p_row = kLowp ? P_lowp.data() + r * ldP : nullptr;
@@ -668,7 +687,10 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         }
         int64_t ldv;
         const scalar_t* vt = used_operand(vb + j0 * vsn, vsn, Dv, colsum.data(), used, v_scratch.data(), &ldv);
-        if constexpr (kLowp) {
+        if (kLowp && used.hi - used.lo <= kShortReduction) {  // fp32 P (in S: not direct) times fp32 V
+          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN,
+               rows_as_float(vt, ldv, used.hi - used.lo, Dv, v_float.data()), Dv, 1.f, acc.data(), Dv);
+        } else if constexpr (kLowp) {
           gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, ldP, vt, ldv, 1.f,
                acc.data(), Dv);
         } else {
@@ -773,6 +795,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
     TileBuffer<scalar_t> PT(packed_updates ? BN * ldT : 0), dST(packed_updates ? BN * ldT : 0),
         k_packed(packed_updates ? packed_k.size : 0);
+    TileBuffer<float> q_float(kLowp ? kShortReduction * D : 0), do_float(kLowp ? kShortReduction * Dv : 0),
+        k_float(kLowp ? kShortReduction * D : 0);
     for (int64_t task; tasks.pop(task);) {
       const int64_t split = task % n_splits, bhk = task / n_splits;
       const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
@@ -863,7 +887,12 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               continue;
             }
             const int64_t nu = used.hi - used.lo;
-            if constexpr (kLowp) {
+            if (kLowp && bm <= kShortReduction) {  // fp32 P and dS (S, dP) times fp32 dO and Q rows
+              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, BN,
+                   rows_as_float(dot, dsn, bm, Dv, do_float.data()), Dv, 1.f, dv_acc.data() + used.lo * Dv, Dv);
+              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, BN, rows_as_float(qt, qsn, bm, D, q_float.data()),
+                   D, 1.f, dk_acc.data() + used.lo * D, D);
+            } else if constexpr (kLowp) {
               gemm(true, false, nu, Dv, bm, 1.f, P_lowp.data() + used.lo, ldP, dot, dsn, 1.f,
                    dv_acc.data() + used.lo * Dv, Dv);
               gemm(true, false, nu, D, bm, 1.f, dS_lowp.data() + used.lo, ldP, qt, qsn, 1.f,
@@ -878,7 +907,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             int64_t ldk;
             const scalar_t* kt = used_operand(kb + j0 * ksn, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
             float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
-            if constexpr (kLowp) {
+            if (kLowp && nu <= kShortReduction) {
+              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN,
+                   rows_as_float(kt, ldk, nu, D, k_float.data()), D, 1.f, dqt, D);
+            } else if constexpr (kLowp) {
               gemm(false, false, bm, D, nu, p.scale, dS_lowp.data() + used.lo, ldP, kt, ldk, 1.f, dqt, D);
             } else {
               gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);

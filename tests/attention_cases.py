@@ -56,10 +56,11 @@ def random_attn_mask(shape, kind, *, dtype=torch.float32, device="cpu"):
 
 
 def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                    grads=True, atol=None, attention=None):
+                    grads=True, atol=None, factor=2.0, attention=None):
     """Output (and q, k, v gradients) of tf.scaled_dot_product_attention on `backend` against the
-    float64 reference, with the package's comparison policy. `attention`: another function with
-    its signature to check instead (`backend` then only names it in messages)."""
+    float64 reference, with the package's comparison policy (`factor` x the reference's error +
+    `atol`). `attention`: another function with its signature to check instead (`backend` then
+    only names it in messages)."""
     gqa = k.shape[1] != q.shape[1]
     attention = attention or functools.partial(tf.scaled_dot_product_attention, backend=backend)
 
@@ -77,7 +78,8 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
                                is_causal=is_causal, scale=scale)
 
     return compare_with_reference(kernel, ref, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
-                                  what=f"attention[{backend}]", atol=atol, gradient_formulation=flash)
+                                  what=f"attention[{backend}]", atol=atol, factor=factor,
+                                  gradient_formulation=flash)
 
 
 def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.0, what="dV"):
