@@ -44,7 +44,7 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     meta = ka._common_meta(q, k, v, None, None, causal, 0.0)
     block_m, block_n, warps, stages = tile
     args = ka._backward_scalar_args(q, k, v, dout, (0, 0, 0, 0), (0, 0), scale, 0.0, 0)
-    tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **ka.LAUNCH_OPTIONS)
     if kernel_name == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         fn = ka._jit_function(ka.attention_bwd_dkdv_kernel)

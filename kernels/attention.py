@@ -582,8 +582,7 @@ def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
     block_d, block_dv = _block_dims(D, Dv)
     return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
                 MASK_KIND=_mask_args(attn_mask, q)[2], HAS_PAD=key_padding_mask is not None,
-                HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                **LAUNCH_OPTIONS)
+                HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
@@ -599,7 +598,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         q, k, v, out, lse, mask, pad, kv_range,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *mask_strides, *pad_strides,
-        H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(dropout_p), int(seed), _len_bucket(Nq, Nk), **meta)
+        H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(dropout_p), int(seed), _len_bucket(Nq, Nk), **meta,
+        **LAUNCH_OPTIONS)
     return out, lse
 
 
@@ -635,9 +635,9 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dv = new_output((B, Hk, Nk, Dv), v.dtype, v.device)
     args = _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed)
     attention_bwd_dkdv_kernel[lambda META: (cdiv(Nk, META["BLOCK_N"]), Hk, B)](
-        q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta)
+        q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta, **LAUNCH_OPTIONS)
     attention_bwd_dq_kernel[lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)](
-        q, k, v, dout, lse, delta, dq, mask, pad, kv_range, *args, **meta)
+        q, k, v, dout, lse, delta, dq, mask, pad, kv_range, *args, **meta, **LAUNCH_OPTIONS)
     return dq, dk, dv
 
 
