@@ -6,10 +6,10 @@ Every kernel exists in Triton (CUDA), in a C++ extension (CPU) and as a plain Py
 """
 from ._dispatch import available_backends
 from .attention import scaled_dot_product_attention
-from .layer_norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from .layer_norm import layer_norm, rms_norm
 from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step
-from .modules import (MultiheadAttention, Transformer, TransformerDecoder, TransformerDecoderLayer,
-                      TransformerEncoder, TransformerEncoderLayer)
+from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
+                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
 from .convert import convert
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ kernel-level function. Everything else in the package goes through these two fun
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -231,7 +232,68 @@ def kernel(name: str, backend: str):
 
 
 # --------------------------------------------------------------------------------------------
+# Autocast
+# --------------------------------------------------------------------------------------------
+_AUTOCAST_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_dtype(policy: str, device: torch.device):
+    """The dtype that autocast, where it is on for ``device``, gives the inputs of an op with
+    ``policy`` (None: autocast is off or leaves them alone), as torch's own autocast does:
+    "lower" for ops on its lower-precision list (scaled_dot_product_attention, matmul): the
+    autocast dtype; "norm" for layer_norm and rms_norm, which CUDA autocast runs in float32 and
+    CPU autocast leaves on no list."""
+    if not torch._C._is_any_autocast_enabled() or device.type not in _AUTOCAST_DEVICES:
+        return None
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    if policy == "lower":
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32 if device.type == "cuda" else None
+
+
+def autocast_cast(dtype, t):
+    """``t`` in ``dtype`` if autocast would cast it (a floating tensor, not float64, as torch's
+    cached_cast decides), else ``t`` itself."""
+    if (dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point()
+            or t.dtype in (dtype, torch.float64)):
+        return t
+    return t.to(dtype)
+
+
+def autocast_off():
+    """A context in which torch ops are not autocast (a no-op where autocast is off)."""
+    if torch._C._is_any_autocast_enabled():
+        return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
+    return contextlib.nullcontext()
+
+
+_autocast_library = torch.library.Library("transformer_fast", "IMPL")
+
+
+def register_autocast(op, name: str, policy: str, cast_args: tuple = ()):
+    """Registers the autocast kernels (CPU and CUDA) of custom op ``op``, named
+    ``transformer_fast::<name>``: the args at ``cast_args`` are cast by ``policy`` (see
+    autocast_dtype), then the op runs with autocast off, so that no torch op inside a kernel is
+    autocast. The public functions apply the same rule before they call the op."""
+
+    def kernel(_keyset, *args):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        dtype = autocast_dtype(policy, device)
+        args = tuple(autocast_cast(dtype, a) if i in cast_args and isinstance(a, torch.Tensor) else a
+                     for i, a in enumerate(args))
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return op(*args)
+
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        _autocast_library.impl(name, kernel, key, with_keyset=True)
+
+
+# --------------------------------------------------------------------------------------------
 # Calling a custom op
+
 # --------------------------------------------------------------------------------------------
 # Both private to torch (present since 2.0); where one is missing, every call takes the op.
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
@@ -270,20 +332,31 @@ def eager_autograd(fn, setup_context, backward):
     return _EagerOp.apply
 
 
-def run_op(op, fn, *args, autograd=None):
+def run_op(op, fn, *args, autograd=None, composite=None):
     """Runs custom op ``op`` on ``args``, or, where that computes the same thing for less Python
     overhead, the function ``fn`` it was made from: directly when no autograd graph is recorded,
     or through ``autograd`` (from eager_autograd) when one is. The op's dispatch (autograd
     wrapper, schema checks) costs 30-100 us per call, more than the kernels on small inputs (a
-    decoding step, LayerNorm over a few rows; benchmarks/NOTES.md).
+    decoding step, LayerNorm over a few rows).
 
     The op itself runs under torch.compile and torch.jit.trace (which must record the op, not
-    bake its result into the graph), inside torch.func transforms (vmap, grad, jvp) and
-    forward-mode AD (which the op rejects rather than dropping tangents), under Python dispatch
-    or function modes, for tensor subclasses and fake tensors, and where an input needs grad but
-    no ``autograd`` is given (a backward op under double backward)."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _functorch_transforms_active()
-            or _forward_ad_active() or _python_modes_active()):
+    bake its result into the graph), under Python dispatch or function modes, for tensor
+    subclasses and fake tensors, and where an input needs grad but no ``autograd`` is given.
+    Inside torch.func transforms (vmap, grad, jvp) and forward-mode AD, which the op's autograd
+    formula cannot serve, ``composite`` (the op as differentiable torch code) runs instead.
+    Whatever runs, runs with autocast off: the callers have cast the inputs already."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return op(*args)
+    if torch._C._is_any_autocast_enabled():
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return _run_op(op, fn, args, autograd, composite)
+    return _run_op(op, fn, args, autograd, composite)
+
+
+def _run_op(op, fn, args, autograd, composite):
+    if _functorch_transforms_active() or _forward_ad_active():
+        return op(*args) if composite is None else composite(*args)
+    if _python_modes_active():
         return op(*args)
     needs_grad = False
     for a in args:

@@ -76,8 +76,9 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
         y = y * weight
     if bias is not None:
         y = y + bias
+    stats = torch.promote_types(x.dtype, torch.float32)
     return (y.to(x.dtype), None if residual is None else h.contiguous(),
-            None if mean is None else mean.float(), rstd.float())
+            None if mean is None else mean.to(stats), rstd.to(stats))
 
 
 def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):

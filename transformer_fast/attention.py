@@ -17,11 +17,12 @@ of the scaled, masked scores, +inf for rows with no allowed key (so exp(s - lse)
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
 
-from . import _dispatch
+from . import _composite, _dispatch
 from ._validation import (broadcast_attn_mask, check_dim, check_head_dim, check_key_padding_mask,
                           check_same, check_tensor)
 
@@ -107,6 +108,8 @@ def _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_cau
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
+        return _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask)
     dq, dk, dv = _dispatch.run_op(_attention_backward_op, _attention_backward, dout, q, k, v, out, lse, attn_mask,
                                   key_padding_mask, *ctx.args)
     dmask = None
@@ -117,8 +120,22 @@ def _backward(ctx, dout, _dlse):
     return dq, dk, dv, dmask, None, None, None, None, None, None
 
 
+def _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask):
+    """The gradients as a graph torch can differentiate again, from the composite form; the
+    kernels' dropout pattern cannot be reproduced there, so dropout is refused."""
+    is_causal, scale, dropout_p, seed, backend = ctx.args
+    if dropout_p > 0:
+        raise NotImplementedError("transformer_fast.scaled_dot_product_attention: second derivatives "
+                                  "(create_graph=True) are not supported with dropout_p > 0")
+    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend)
+    grads = _composite.backward(_composite.attention_forward, args, (0, 1, 2, 3), (dout, None))
+    return (*grads[:4], None, None, None, None, None, None)
+
+
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 _attention_forward_eager = _dispatch.eager_autograd(_attention_forward, _setup_context, _backward)
+_dispatch.register_autocast(_attention_forward_op, "attention_forward", "lower", cast_args=(0, 1, 2, 3))
+_dispatch.register_autocast(_attention_backward_op, "attention_backward", "lower")
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,6 +149,23 @@ def _dropout_seed(dropout_p):
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
 
 
+def _check_scale(scale):
+    """Any real scalar (a Python or NumPy number, a one-element tensor), as torch takes it."""
+    if scale is None:
+        return None
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.is_complex():
+            raise TypeError(f"scale must be a real scalar or None, got a tensor of shape {tuple(scale.shape)} "
+                            f"and dtype {scale.dtype}")
+        scale = scale.item()
+    elif not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real scalar or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False, *, key_padding_mask=None, backend="auto"):
     """Fused softmax attention, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
@@ -143,7 +177,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         broadcasts to (B, H, Nq, Nk); read in place, never expanded in memory;
       * ``key_padding_mask``: (B, Nk) bool, True = padded key (``nn.MultiheadAttention``'s
         convention), read per tile.
-    Query rows with no allowed key give 0 (and 0 gradient). ``enable_gqa=True`` lets key/value
+    Query rows with no allowed key give 0 (and 0 gradient). Under ``torch.autocast`` the floating
+    inputs are cast to the autocast dtype first, as torch's SDPA is. ``enable_gqa=True`` lets key/value
     have fewer heads than query (a divisor). ``backend``: "auto", "triton", "cpp" or "reference".
     A float ``attn_mask`` that requires grad gets its gradient (as in PyTorch; computed with torch
     ops outside the fused kernels, in O(B H Nq Nk) memory; not with dropout).
@@ -159,6 +194,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
             key_padding_mask=key_padding_mask, backend=backend)[0]
+    low = _dispatch.autocast_dtype("lower", query.device)
+    if low is not None:
+        query, key, value, attn_mask = (_dispatch.autocast_cast(low, t) for t in (query, key, value, attn_mask))
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, Nq, D = query.shape
@@ -175,8 +213,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     check_head_dim("value", value.shape[3])
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    scale = _check_scale(scale)
     if attn_mask is not None and attn_mask.requires_grad and dropout_p > 0.0 and torch.is_grad_enabled():
         raise ValueError("a float attn_mask that requires grad cannot be combined with dropout_p > 0: its "
                          "gradient needs the kernels' dropout mask, which only they regenerate")
@@ -190,5 +227,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = float(D ** -0.5 if scale is None else scale)
     out, _ = _dispatch.run_op(_attention_forward_op, _attention_forward, query, key, value, attn_mask,
                               key_padding_mask, bool(is_causal), scale, float(dropout_p),
-                              _dropout_seed(dropout_p), backend, autograd=_attention_forward_eager)
+                              _dropout_seed(dropout_p), backend, autograd=_attention_forward_eager,
+                              composite=_composite.attention_forward)
     return out

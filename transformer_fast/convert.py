@@ -8,9 +8,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .layer_norm import LayerNorm, RMSNorm
-from .modules import (MultiheadAttention, Transformer, TransformerDecoder, TransformerDecoderLayer,
-                      TransformerEncoder, TransformerEncoderLayer, _adopt, _check_attention)
+from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
+                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, _adopt, _check_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ class Replacement(NamedTuple):
     new: type
 
 
-def convert(model, attention="softmax", inplace=False, *, return_report=False):
+def convert(model, attention="softmax", inplace=True, *, return_report=False):
     """Replaces every ``torch.nn`` MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
     TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer inside
     ``model`` (``model`` itself included) with the transformer_fast drop-in, leaving everything
@@ -48,10 +47,12 @@ def convert(model, attention="softmax", inplace=False, *, return_report=False):
     differ) nor transformer_fast modules (never converted twice). ``attention`` ("softmax" or
     "linear") is given to every converted attention; "linear" changes the model's function.
 
-    ``inplace=False`` converts a deep copy and leaves ``model`` untouched. Returns the converted
-    model, or ``(model, report)`` with ``return_report=True``, where ``report`` lists a
-    ``Replacement(name, old, new)`` per converted module (nested ones included, in module
-    order). The same list is logged at INFO level on the ``transformer_fast.convert`` logger.
+    The conversion is in place: ``model`` itself is returned, its modules keep the same
+    ``Parameter`` objects (an optimizer built before the call trains the converted model) and
+    nothing is copied. ``inplace=False`` converts a deep copy instead and leaves ``model``
+    untouched. Returns the converted model, or ``(model, report)`` with ``return_report=True``,
+    where ``report`` lists a ``Replacement(name, old, new)`` per converted module (nested ones
+    included, in module order). The same list is logged at INFO level on the ``transformer_fast.convert`` logger.
     """
     _check_attention(attention)
     if not isinstance(model, nn.Module):

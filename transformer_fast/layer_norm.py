@@ -1,5 +1,5 @@
-"""LayerNorm and RMSNorm with the residual add fused in: the public functions, their custom ops
-and the drop-in ``LayerNorm``/``RMSNorm`` modules.
+"""LayerNorm and RMSNorm with the residual add fused in: the public functions and their custom
+ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
 
 The kernels (``kernels/layer_norm.py``, ``csrc/layer_norm.cpp``) work on rows:
 
@@ -9,7 +9,8 @@ The kernels (``kernels/layer_norm.py``, ``csrc/layer_norm.cpp``) work on rows:
 x, residual, dy, dh are (M, N) with unit stride along N and any row stride; weight and bias
 (N,) or None. h = x + residual (rounded to x's dtype; None without a residual) is the input the
 statistics are taken of; y = (h - mean) * rstd * weight + bias (RMSNorm: mean is None and
-y = h * rstd * weight). mean and rstd are (M,) float32. In the backward, `h` is the normalised
+y = h * rstd * weight). mean and rstd are (M,) float32 (float64 for float64 inputs, which only the
+reference backend takes). In the backward, `h` is the normalised
 input (x itself without a residual) and dh the gradient arriving at the h output (or None); dx
 is then also the residual's gradient. dweight/dbias are None when weight/bias are.
 """
@@ -19,9 +20,8 @@ import numbers
 from typing import Optional
 
 import torch
-from torch import nn
 
-from . import _dispatch
+from . import _composite, _dispatch
 from ._validation import as_rows, check_same, check_tensor
 
 
@@ -30,12 +30,16 @@ def _empty(ref):
     return ref.new_empty(0)
 
 
+def _stats_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _layer_norm_forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                         bias: Optional[torch.Tensor], eps: float, is_rms: bool,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
         return (x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)),
-                x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32))
+                x.new_empty(0, dtype=_stats_dtype(x)), x.new_empty(0, dtype=_stats_dtype(x)))
     y, h, mean, rstd = _dispatch.kernel("layer_norm_forward", backend)(x, residual, weight, bias, eps, is_rms)
     return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
 
@@ -48,8 +52,8 @@ _layer_norm_forward_op = torch.library.custom_op(
 def _(x, residual, weight, bias, eps, is_rms, backend):
     M = x.shape[0]
     h = x.new_empty(x.shape) if residual is not None else _empty(x)
-    mean = _empty(x).float() if is_rms else x.new_empty(M, dtype=torch.float32)
-    return x.new_empty(x.shape), h, mean, x.new_empty(M, dtype=torch.float32)
+    mean = x.new_empty(0 if is_rms else M, dtype=_stats_dtype(x))
+    return x.new_empty(x.shape), h, mean, x.new_empty(M, dtype=_stats_dtype(x))
 
 
 def _layer_norm_backward(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor,
@@ -93,6 +97,8 @@ def _unit_row_stride(t):
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, bias, mean, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
+        return _differentiable_backward(ctx, dy, dh, h, weight, bias)
     dy = _unit_row_stride(dy)
     dh = _unit_row_stride(dh) if ctx.has_residual else None
     dx, dweight, dbias = _dispatch.run_op(_layer_norm_backward_op, _layer_norm_backward, dy, dh, h, weight, bias,
@@ -101,8 +107,22 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
             dbias if bias is not None else None, None, None, None)
 
 
+def _differentiable_backward(ctx, dy, dh, h, weight, bias):
+    """The gradients as a graph torch can differentiate again, from the composite form applied to
+    the saved normalised input h (x + residual, itself this op's output: torch differentiates
+    through it back to x and the residual)."""
+    args = (h, None, weight, bias, *ctx.args)
+    dx, _, dweight, dbias = _composite.backward(_composite.layer_norm_forward, args, (0, 2, 3),
+                                                (dy, None, None, None))[:4]
+    if ctx.has_residual and dh is not None:
+        dx = dh if dx is None else dx + dh
+    return dx, dx if ctx.has_residual else None, dweight, dbias, None, None, None
+
+
 _layer_norm_forward_op.register_autograd(_backward, setup_context=_setup_context)
 _layer_norm_forward_eager = _dispatch.eager_autograd(_layer_norm_forward, _setup_context, _backward)
+_dispatch.register_autocast(_layer_norm_forward_op, "layer_norm_forward", "norm", cast_args=(0, 1, 2, 3))
+_dispatch.register_autocast(_layer_norm_backward_op, "layer_norm_backward", "norm")
 
 
 def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend):
@@ -115,22 +135,32 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
             tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape:
         raise ValueError(f"{name}: input of shape {tuple(x.shape)} does not end with normalized_shape "
                          f"{normalized_shape}")
+    if residual is not None:
+        check_tensor("residual", residual)
+        check_same("residual", residual, "input", x, dtype=False)
+        if residual.shape != x.shape:
+            raise ValueError(f"{name}: residual must have the input's shape {tuple(x.shape)}, "
+                             f"got {tuple(residual.shape)}")
+    for pname, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            check_tensor(pname, p)
+    cast = _dispatch.autocast_dtype("norm", x.device)
+    if cast is not None:
+        x, residual, weight, bias = (_dispatch.autocast_cast(cast, t) for t in (x, residual, weight, bias))
+    if residual is not None and residual.dtype != x.dtype:  # the add promotes, as input + residual does
+        common = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(common), residual.to(common)
     for pname, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
-        check_tensor(pname, p)
         if tuple(p.shape) != normalized_shape:
             raise ValueError(f"{name}: {pname} must have shape normalized_shape = {normalized_shape}, "
                              f"got {tuple(p.shape)}")
         check_same(pname, p, "input", x, dtype=False)
         if p.dtype not in (x.dtype, torch.float32):
             raise TypeError(f"{name}: {pname} must have the input's dtype {x.dtype} or float32, got {p.dtype}")
-    if residual is not None:
-        check_tensor("residual", residual)
-        check_same("residual", residual, "input", x)
-        if residual.shape != x.shape:
-            raise ValueError(f"{name}: residual must have the input's shape {tuple(x.shape)}, "
-                             f"got {tuple(residual.shape)}")
+    if eps is None:  # rms_norm's default: the machine epsilon of the dtype it computes in
+        eps = torch.finfo(x.dtype).eps
     if not eps >= 0:
         raise ValueError(f"{name}: eps must be >= 0, got {eps}")
 
@@ -148,7 +178,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     y, h, _, _ = _dispatch.run_op(_layer_norm_forward_op, _layer_norm_forward,
                                   as_rows(x, width), None if residual is None else as_rows(residual, width),
                                   weight, bias, float(eps), is_rms, backend,
-                                  autograd=_layer_norm_forward_eager)
+                                  autograd=_layer_norm_forward_eager, composite=_composite.layer_norm_forward)
     if y.shape != x.shape:
         y = y.view(x.shape)
         h = h.view(x.shape) if residual is not None else h
@@ -159,7 +189,10 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
     """Fused LayerNorm, a drop-in for ``torch.nn.functional.layer_norm``.
 
     With ``residual``, computes ``h = input + residual`` and ``layer_norm(h)`` in one pass and
-    returns ``(layer_norm(h), h)`` (the pre-norm residual stream). Statistics are float32.
+    returns ``(layer_norm(h), h)`` (the pre-norm residual stream); ``h`` has the dtype
+    ``input + residual`` has. Statistics are float32 (float64 for float64 inputs). Under
+    ``torch.autocast`` it follows torch's rule for ``layer_norm``: float32 on CUDA, the input's
+    dtype on the CPU.
     """
     return _normalize(input, normalized_shape, weight, bias, eps, residual, False, backend)
 
@@ -167,22 +200,4 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, backend="auto"):
     """Fused RMSNorm, a drop-in for ``torch.nn.functional.rms_norm``: ``h / sqrt(mean(h^2) + eps)
     * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``."""
-    if eps is None:
-        eps = torch.finfo(input.dtype).eps if isinstance(input, torch.Tensor) and input.is_floating_point() else 1e-6
     return _normalize(input, normalized_shape, weight, None, eps, residual, True, backend)
-
-
-class LayerNorm(nn.LayerNorm):
-    """Drop-in ``torch.nn.LayerNorm`` (same constructor, parameters and state dict) running the fused
-    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
-
-    def forward(self, input, residual=None):
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
-
-
-class RMSNorm(nn.RMSNorm):
-    """Drop-in ``torch.nn.RMSNorm`` (same constructor, parameters and state dict) running the fused
-    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
-
-    def forward(self, input, residual=None):
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch
+from . import _composite, _dispatch
 from ._validation import check_dim, check_head_dim, check_key_padding_mask, check_same, check_tensor
 
 
@@ -66,6 +66,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout):
     q, k, v, key_padding_mask = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
+        args = (q, k, v, key_padding_mask, *ctx.args)
+        dq, dk, dv = _composite.backward(_composite.linear_attention_forward, args, (0, 1, 2), (dout,))[:3]
+        return dq, dk, dv, None, None, None, None
     dq, dk, dv = _dispatch.run_op(_linear_attention_backward_op, _linear_attention_backward, dout, q, k, v,
                                   key_padding_mask, *ctx.args)
     return dq, dk, dv, None, None, None, None
@@ -73,6 +77,8 @@ def _backward(ctx, dout):
 
 _linear_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 _linear_attention_forward_eager = _dispatch.eager_autograd(_linear_attention_forward, _setup_context, _backward)
+_dispatch.register_autocast(_linear_attention_forward_op, "linear_attention_forward", "lower", cast_args=(0, 1, 2))
+_dispatch.register_autocast(_linear_attention_backward_op, "linear_attention_backward", "lower")
 
 
 def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, backend="auto"):
@@ -82,9 +88,11 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
 
     with the sums over unpadded keys (``key_padding_mask`` (B, Nk) bool, True = padded), and over
     j <= i when ``is_causal`` (which needs equal query and key lengths). Layout (B, H, N, D).
+    Under ``torch.autocast`` the inputs are cast to the autocast dtype, as for softmax attention.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=4)
+    query, key, value = _autocast(query, key, value)
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, Nq, D = query.shape
@@ -107,12 +115,21 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     backend = _dispatch.select_backend(query.device, query.dtype, backend, "linear_attention")
     return _dispatch.run_op(_linear_attention_forward_op, _linear_attention_forward, query, key, value,
                             key_padding_mask, bool(is_causal), float(eps), backend,
-                            autograd=_linear_attention_forward_eager)
+                            autograd=_linear_attention_forward_eager,
+                            composite=_composite.linear_attention_forward)
+
+
+def _autocast(query, key, value):
+    low = _dispatch.autocast_dtype("lower", query.device)
+    if low is None:
+        return query, key, value
+    return tuple(_dispatch.autocast_cast(low, t) for t in (query, key, value))
 
 
 class LinearAttentionState(NamedTuple):
     """The recurrent state of causal linear attention: S = sum phi(k)^T v (B, H, D, Dv) and
-    z = sum phi(k) (B, H, D), float32, summed over the tokens seen so far."""
+    z = sum phi(k) (B, H, D), float32 (float64 for float64 inputs), summed over the tokens seen
+    so far."""
     S: torch.Tensor
     z: torch.Tensor
 
@@ -126,6 +143,7 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=3)
+    query, key, value = _autocast(query, key, value)
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, D = query.shape
@@ -134,16 +152,17 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     if tuple(value.shape[:2]) != (B, H):
         raise ValueError(f"value must have shape (B, H, Dv) with (B, H) = {(B, H)}, got {tuple(value.shape)}")
     Dv = value.shape[2]
+    c = torch.promote_types(query.dtype, torch.float32)
     if state is None:
-        state = LinearAttentionState(query.new_zeros(B, H, D, Dv, dtype=torch.float32),
-                                     query.new_zeros(B, H, D, dtype=torch.float32))
+        state = LinearAttentionState(query.new_zeros(B, H, D, Dv, dtype=c), query.new_zeros(B, H, D, dtype=c))
     elif tuple(state.S.shape) != (B, H, D, Dv) or tuple(state.z.shape) != (B, H, D):
         raise ValueError(f"state must hold S of shape {(B, H, D, Dv)} and z of shape {(B, H, D)}, got "
                          f"{tuple(state.S.shape)} and {tuple(state.z.shape)}")
-    phi_q = F.elu(query.float()) + 1
-    phi_k = F.elu(key.float()) + 1
-    S = state.S + phi_k[..., :, None] * value.float()[..., None, :]
+    phi_q = F.elu(query.to(c)) + 1
+    phi_k = F.elu(key.to(c)) + 1
+    S = state.S + phi_k[..., :, None] * value.to(c)[..., None, :]
     z = state.z + phi_k
-    numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
+    with _dispatch.autocast_off():  # the state's precision, as in the kernels
+        numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
     denominator = (phi_q * z).sum(-1, keepdim=True) + eps
     return (numerator / denominator).to(query.dtype), LinearAttentionState(S, z)

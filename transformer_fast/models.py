@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import scaled_dot_product_attention
-from .layer_norm import LayerNorm
 from .linear_attention import LinearAttentionState, linear_attention_step
 from .reference import elu_feature_map
-from .modules import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
+from .modules import (LayerNorm, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+                      TransformerEncoderLayer)
 
 __all__ = ["PositionalEncoding", "Seq2SeqTransformer", "DecoderCache", "LayerCache"]
 
@@ -283,6 +283,11 @@ class Seq2SeqTransformer(nn.Module):
         self._check_tokens("src", src)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        max_len = self.positional_encoding.max_len
+        if max_new_tokens > max_len or src.shape[1] > max_len:
+            # Token t is fed at position t - 1: checked up front, not mid-decode.
+            raise ValueError(f"generate needs positions up to max(max_new_tokens, source length) = "
+                             f"{max(max_new_tokens, src.shape[1])}, beyond the model's max_len={max_len}")
         was_training = self.training
         self.eval()
         try:

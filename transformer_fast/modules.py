@@ -42,13 +42,38 @@ from torch import nn
 
 from ._validation import MAX_HEAD_DIM
 from .attention import scaled_dot_product_attention
-from .layer_norm import LayerNorm, RMSNorm
+from .layer_norm import layer_norm, rms_norm
 from .linear_attention import linear_attention
 
 ATTENTION_KINDS = ("softmax", "linear")
 
-__all__ = ["MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-           "TransformerDecoder", "Transformer"]
+__all__ = ["LayerNorm", "RMSNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+           "TransformerEncoder", "TransformerDecoder", "Transformer"]
+
+
+class _NotScriptable:
+    """torch.jit.script cannot compile the fused ops' Python entry points: say so, and what works."""
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(f"transformer_fast.{type(self).__name__} cannot be compiled by torch.jit.script "
+                           f"(its kernels are called from Python); use torch.compile or torch.export, which "
+                           f"trace through them, or torch.jit.trace")
+
+
+class LayerNorm(_NotScriptable, nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` (same constructor, parameters and state dict) running the fused
+    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
+
+    def forward(self, input, residual=None):
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
+
+
+class RMSNorm(_NotScriptable, nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` (same constructor, parameters and state dict) running the fused
+    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
+
+    def forward(self, input, residual=None):
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
 
 
 def _check_attention(attention):
@@ -105,7 +130,7 @@ def _is_causal_attn_mask(mask, nq, nk):
 # --------------------------------------------------------------------------------------------
 # MultiheadAttention
 # --------------------------------------------------------------------------------------------
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(_NotScriptable, nn.MultiheadAttention):
     """Drop-in ``torch.nn.MultiheadAttention`` on transformer_fast's kernels.
 
     Same constructor, parameters, state dict and ``forward`` as torch's, plus
@@ -335,7 +360,7 @@ def _adopt_attention(module, attention):
 # --------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------
-class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+class TransformerEncoderLayer(_NotScriptable, nn.TransformerEncoderLayer):
     """Drop-in ``torch.nn.TransformerEncoderLayer`` (same arguments, parameters and forward) built
     on our MultiheadAttention and fused LayerNorm; ``attention=`` is passed to the attention."""
 
@@ -378,7 +403,7 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         return self._ff_block(y), residual
 
 
-class TransformerDecoderLayer(nn.TransformerDecoderLayer):
+class TransformerDecoderLayer(_NotScriptable, nn.TransformerDecoderLayer):
     """Drop-in ``torch.nn.TransformerDecoderLayer`` (same arguments, parameters and forward) built
     on our MultiheadAttention and fused LayerNorm; ``attention=`` is passed to both attentions."""
 
@@ -451,7 +476,7 @@ def _finish_stack(norm, delta, residual):
     return _norm_add(norm, delta, residual)[0]
 
 
-class TransformerEncoder(nn.TransformerEncoder):
+class TransformerEncoder(_NotScriptable, nn.TransformerEncoder):
     """Drop-in ``torch.nn.TransformerEncoder``. torch.nn layers (and the norm) given to it are
     turned into ours; pre-norm layers pass (delta, residual) pairs to each other so that every
     residual add is fused into the next LayerNorm. ``enable_nested_tensor`` is accepted and
@@ -493,7 +518,7 @@ class TransformerEncoder(nn.TransformerEncoder):
         return _finish_stack(self.norm, delta, residual)
 
 
-class TransformerDecoder(nn.TransformerDecoder):
+class TransformerDecoder(_NotScriptable, nn.TransformerDecoder):
     """Drop-in ``torch.nn.TransformerDecoder``; see ``TransformerEncoder``."""
 
     def __init__(self, decoder_layer, num_layers, norm=None, *, attention=None):
@@ -531,7 +556,7 @@ class TransformerDecoder(nn.TransformerDecoder):
         return _finish_stack(self.norm, delta, residual)
 
 
-class Transformer(nn.Transformer):
+class Transformer(_NotScriptable, nn.Transformer):
     """Drop-in ``torch.nn.Transformer`` (same arguments, parameters, initialisation and forward,
     ``generate_square_subsequent_mask`` included) built from our encoder and decoder;
     ``attention=`` is passed to every attention (custom encoders/decoders made of torch.nn

@@ -1,0 +1,108 @@
+"""Each op written as differentiable plain-torch code, with the kernel-level signatures of the op
+functions (``backend`` is accepted and ignored).
+
+The fused kernels come with first-order backward formulas only. Where those cannot serve, the
+ops run these instead, and torch differentiates them: forward-mode AD (``torch.func.jvp``,
+``jacfwd``, ``torch.autograd.forward_ad``), the ``torch.func`` transforms (``grad``, ``vmap``,
+``jacrev``, per-sample gradients) and second derivatives (``create_graph=True``). They
+materialise what the kernels never do (attention's full score matrix), compute in float32 at
+least, and give 0, never NaN, for rows with nothing to attend to, with 0 gradient there.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _dropout_keep(seed, shape, dropout_p, device):
+    from ._reference_kernels import dropout_keep_mask
+
+    return dropout_keep_mask(seed, shape, dropout_p, device)
+
+
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend=None):
+    c = _compute_dtype(q)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    group = H // k.shape[1]
+    kc = k.to(c).repeat_interleave(group, dim=1) if group > 1 else k.to(c)
+    vc = v.to(c).repeat_interleave(group, dim=1) if group > 1 else v.to(c)
+    scores = torch.matmul(q.to(c), kc.transpose(-2, -1)) * scale
+    disallowed = None
+    if is_causal:
+        disallowed = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).triu(1)
+    if key_padding_mask is not None:
+        padded = key_padding_mask[:, None, None, :]
+        disallowed = padded if disallowed is None else disallowed | padded
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            disallowed = ~attn_mask if disallowed is None else disallowed | ~attn_mask
+        else:
+            scores = scores + attn_mask.to(c)
+    if disallowed is not None:
+        scores = scores.masked_fill(disallowed, float("-inf"))
+    # softmax with a constant shift (its gradient does not depend on it, so it is detached);
+    # rows with no allowed key have only zero terms and give p = 0, lse = +inf.
+    shift = scores.detach().amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    terms = torch.exp(scores - shift)
+    denominator = terms.sum(dim=-1, keepdim=True)
+    empty = denominator == 0
+    probs = terms / torch.where(empty, torch.ones_like(denominator), denominator)
+    lse = torch.where(empty, torch.full_like(denominator, float("inf")), shift + torch.log(denominator))
+    if dropout_p > 0:
+        probs = probs * _dropout_keep(seed, probs.shape, dropout_p, q.device) / (1.0 - dropout_p)
+    out = torch.matmul(probs, vc)
+    return out.to(q.dtype), lse.squeeze(-1).detach().float()
+
+
+def layer_norm_forward(x, residual, weight, bias, eps, is_rms, backend=None):
+    h = x if residual is None else x + residual
+    c = _compute_dtype(h)
+    N = h.shape[-1]
+    w = None if weight is None else weight.to(c)
+    if is_rms:
+        y = F.rms_norm(h.to(c), (N,), w, eps)
+    else:
+        y = F.layer_norm(h.to(c), (N,), w, None if bias is None else bias.to(c), eps)
+    # The statistics are outputs the callers drop; they are not differentiable.
+    empty = h.new_empty(0, dtype=c)
+    return y.to(h.dtype), (h if residual is not None else h.new_empty(0)), empty, empty
+
+
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, backend=None):
+    c = _compute_dtype(q)
+    phi_q, phi_k = F.elu(q.to(c)) + 1, F.elu(k.to(c)) + 1
+    weights = torch.matmul(phi_q, phi_k.transpose(-2, -1))
+    if is_causal:
+        weights = weights.tril()
+    if key_padding_mask is not None:
+        weights = weights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
+    out = torch.matmul(weights, v.to(c)) / (weights.sum(dim=-1, keepdim=True) + eps)
+    return out.to(q.dtype)
+
+
+def backward(composite, args, differentiable, grads):
+    """The gradients of ``composite(*args)`` with respect to ``args[i]`` for i in
+    ``differentiable``, given ``grads`` for its outputs (None where an output gets none), as a graph
+    that can itself be differentiated: second derivatives of the fused ops go through here.
+    Returns one entry per arg, None where none is asked for or needed."""
+    wanted = [i for i in differentiable if isinstance(args[i], torch.Tensor) and args[i].requires_grad]
+    result = [None] * len(args)
+    if not wanted:
+        return result
+    with torch.enable_grad():
+        outs = composite(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if not pairs:
+            return result
+        found = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wanted], [g for _, g in pairs],
+                                    create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, found):
+        result[i] = g
+    return result
