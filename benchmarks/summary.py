@@ -141,9 +141,10 @@ def load_all(folder=RESULTS):
 
 
 def variant(entry):
-    """What a newer entry supersedes: the same device, suite and (GPU grid) backend."""
+    """What a newer entry supersedes: the same device (by name: every CPU's slug is "cpu"),
+    suite and (GPU grid) backend."""
     backend = entry["data"].get("args", {}).get("backend", "triton") if entry["suite"] == "target_gpu_attention" else ""
-    return entry["device"].get("slug"), entry["suite"], backend
+    return entry["device"].get("name"), entry["suite"], backend
 
 
 def latest(entries):

@@ -51,35 +51,35 @@ def replace_block(text, block):
 # --------------------------------------------------------------------------------------------
 # The README's headline
 # --------------------------------------------------------------------------------------------
-def _cpu_rows(latest, prefix):
+def _cpu_rows(latest, prefix, name):
     rows = []
-    attention = latest.get(("cpu", "target_cpu_attention", ""), [])
+    attention = latest.get((name, "target_cpu_attention", ""), [])
     for dtype in ("float32", "bfloat16"):
         entry = next((e for e in attention if any(r["dtype"] == dtype for r in e["data"]["rows"])), None)
         if entry is None:
             continue
         got = [r for r in entry["data"]["rows"] if r["dtype"] == dtype and r.get("status") == "ok"]
         shape = got[0]["shape"]
-        for name, cases in (("forward", summary.CPU_CASES[:3]), ("forward+backward", summary.CPU_CASES[3:])):
+        for what, cases in (("forward", summary.CPU_CASES[:3]), ("forward+backward", summary.CPU_CASES[3:])):
             ratios = " / ".join(_range([r["ratio"] for r in got if r["case"] == c]) for c in cases)
             runs = len({r["run"] for r in got})
-            rows.append([f"softmax attention {name}, {dtype}, {shape} (plain / causal / 1/4 of keys padded)",
+            rows.append([f"softmax attention {what}, {dtype}, {shape} (plain / causal / 1/4 of keys padded)",
                          f"{ratios} `F.scaled_dot_product_attention`" + (f" ({runs} runs)" if runs > 1 else ""),
                          _day(entry["created"]), _link(entry["file"], prefix)])
-    for entry in latest.get(("cpu", "target_cpu_linear_attention", ""), [])[:1]:
+    for entry in latest.get((name, "target_cpu_linear_attention", ""), [])[:1]:
         p = entry["data"]["passes"]
         rows.append([f"linear attention, {entry['data']['shape']} (forward / forward+backward)",
                      f"{p['forward']['vs_sdpa']:.1f}x / {p['forward+backward']['vs_sdpa']:.1f}x "
                      f"`F.sdpa(is_causal=True)`; {p['forward']['vs_cumsum']:.0f}x / "
                      f"{p['forward+backward']['vs_cumsum']:.0f}x a cumulative-sum PyTorch linear attention",
                      _day(entry["created"]), _link(entry["file"], prefix)])
-    for entry in latest.get(("cpu", "target_cpu_layer_norm", ""), [])[:1]:
+    for entry in latest.get((name, "target_cpu_layer_norm", ""), [])[:1]:
         d = entry["data"]
         rows.append([f"fused residual + LayerNorm, {d['shape']} (forward / forward+backward)",
                      f"{d['forward_ratio']:.2f}x / {d['forward_backward_ratio']:.2f}x `x + r` then `F.layer_norm`; "
                      f"forward at {100 * d['forward_gb_per_s'] / d['copy_gb_per_s']:.0f}% of a copy's bandwidth",
                      _day(entry["created"]), _link(entry["file"], prefix)])
-    for entry in latest.get(("cpu", "sweep", ""), [])[:1]:
+    for entry in latest.get((name, "sweep", ""), [])[:1]:
         rows += _sweep_rows(entry, prefix, cpu=True)
     return rows
 
@@ -124,12 +124,12 @@ def _sweep_rows(entry, prefix, cpu):
     return rows
 
 
-def _gpu_rows(latest, prefix, slug):
+def _gpu_rows(latest, prefix, name):
     rows = []
-    grid = summary.latest_gpu_grid_rows(latest.get((slug, "target_gpu_attention", "triton"), []))
+    grid = summary.latest_gpu_grid_rows(latest.get((name, "target_gpu_attention", "triton"), []))
     files = {r["file"]: r for r in grid}
-    rates = {e["file"]: e["data"]["matmul_flops_per_s"] for e in latest.get((slug, "target_gpu_attention", "triton"), [])}
-    for passes, dtypes, name in (("fwd", ("bfloat16", "float16"), "forward, bf16 and fp16"),
+    rates = {e["file"]: e["data"]["matmul_flops_per_s"] for e in latest.get((name, "target_gpu_attention", "triton"), [])}
+    for passes, dtypes, what in (("fwd", ("bfloat16", "float16"), "forward, bf16 and fp16"),
                                  ("fwd+bwd", ("bfloat16",), "forward+backward, bf16"),
                                  ("fwd+bwd", ("float16",), "forward+backward, fp16")):
         got = [r for r in grid if r["passes"] == passes and r["dtype"] in dtypes]
@@ -137,20 +137,20 @@ def _gpu_rows(latest, prefix, slug):
             continue
         used = sorted({r["file"] for r in got})
         rate = " / ".join(_range([rates[f][d] / 1e12 for f in used if d in rates[f]], "{:.0f}", "") for d in dtypes)
-        rows.append([f"softmax attention {name}, D = {'/'.join(map(str, sorted({r['D'] for r in got})))}, "
+        rows.append([f"softmax attention {what}, D = {'/'.join(map(str, sorted({r['D'] for r in got})))}, "
                      f"N = {', '.join(f'{n // 1024}k' for n in sorted({r['N'] for r in got}))}, causal and not "
                      f"(B*N = 16k, H*D = 2048)", _range([r["ratio"] for r in got]) + " torch flash",
                      _range([r["ours_tflops"] for r in got], "{:.0f}", " TFLOP/s") + f" (matrix products: {rate})",
                      ", ".join(sorted({_day(files[f]['created']) for f in used})),
                      ", ".join(_link(f, prefix) for f in used)])
-    for entry in latest.get((slug, "target_gpu_attention", "cpp"), [])[:1]:
+    for entry in latest.get((name, "target_gpu_attention", "cpp"), [])[:1]:
         got = entry["data"]["results"]
         rows.append(["the C++ backend's CUDA kernels (the fallback without Triton), "
                      f"{got[0]['dtype']}, D = {got[0]['D']}, N = {got[0]['N']}", _range([r["ratio"] for r in got],
                                                                                      "{:.3f}") + " torch flash",
                      _range([r["ours_tflops"] for r in got], "{:.0f}", " TFLOP/s"), _day(entry["created"]),
                      _link(entry["file"], prefix)])
-    for entry in latest.get((slug, "sweep", ""), [])[:1]:
+    for entry in latest.get((name, "sweep", ""), [])[:1]:
         rows += [r[:2] + ["-"] + r[2:] for r in _sweep_rows(entry, prefix, cpu=False)]
     return rows
 
@@ -164,31 +164,31 @@ def headline(folder=summary.RESULTS, prefix="benchmarks/results/"):
     entries = summary.load_all(folder)
     latest = summary.latest(entries)
     out = []
-    cpu = [e for e in entries if e["device"].get("type") == "cpu"]
-    if cpu:
-        sweep = next((e for e in sorted(cpu, key=lambda e: e["created"], reverse=True) if e["suite"] == "sweep"), None)
-        versions = _versions(sweep["versions"]) if sweep else _versions(cpu[-1]["versions"])
-        out += [f"**CPU** ({cpu[-1]['device'].get('name')}, the 2-core development machine; {versions}; C++ backend). "
-                "Ratios are PyTorch's time over ours (> 1: ours is faster), medians of interleaved runs:", "",
-                _table(["what", "ours vs PyTorch", "measured", "result"], _cpu_rows(latest, prefix)), ""]
-        image = next((i for e in latest.get(("cpu", "sweep", ""), [])[:1] for i in e["data"].get("images", [])
-                      if i.endswith("-attention-time.png")), None)
-        if image:
-            out += [f"![attention time against N, CPU]({prefix}{image})", ""]
-    gpu = [e for e in entries if e["device"].get("type") == "cuda"]
     newest = max(e["created"] for e in entries)[:10] if entries else "-"
-    if not gpu:
+    for name in sorted({e["device"].get("name") for e in entries if e["device"].get("type") == "cpu"}):
+        mine = [e for e in entries if e["device"].get("name") == name]
+        sweep = next((e for e in latest.get((name, "sweep", ""), [])), None)
+        versions = _versions((sweep or mine[-1])["versions"])
+        cpus = f", {sweep['device']['cpu_count']} CPUs" if sweep else ""
+        out += [f"**CPU** ({name}{cpus}; {versions}; C++ backend). Ratios are PyTorch's time over ours "
+                "(> 1: ours is faster), medians of interleaved runs:", "",
+                _table(["what", "ours vs PyTorch", "measured", "result"], _cpu_rows(latest, prefix, name)), ""]
+        image = next((i for i in (sweep or {"data": {}})["data"].get("images", []) if i.endswith("-attention-time.png")),
+                     None)
+        if image:
+            out += [f"![attention time against N, {name}]({prefix}{image})", ""]
+    gpus = sorted({e["device"].get("name") for e in entries if e["device"].get("type") == "cuda"})
+    if not gpus:
         out.append("**GPU**: no GPU result exists.")
-        return "\n".join(out) + "\n"
-    for slug in sorted({e["device"]["slug"] for e in gpu}):
-        mine = [e for e in gpu if e["device"]["slug"] == slug]
+    for name in gpus:
+        mine = [e for e in entries if e["device"].get("name") == name]
         days = sorted({_day(e["created"]) for e in mine})
         vers = sorted({_versions(e["versions"]) for e in mine})
-        out += [f"**GPU** ({mine[0]['device']['name']}; {'; '.join(vers)}): measured on {' and '.join(days)}. "
-                f"These are the only GPU figures{' for this GPU' if len({e['device']['slug'] for e in gpu}) > 1 else ''}"
-                f"; the newest result of any device is from {newest}. Each result names the commit it measured: "
-                f"later changes to the kernels are not in these figures.", "",
-                _table(["what", "ours vs PyTorch", "our rate", "measured", "result"], _gpu_rows(latest, prefix, slug)),
+        out += [f"**GPU** ({name}; {'; '.join(vers)}): measured on {' and '.join(days)}. These are the only GPU "
+                f"figures{' for this GPU' if len(gpus) > 1 else ''}; the newest result of any device is from "
+                f"{newest}. Each result names the commit it measured: later changes to the kernels are not in "
+                f"these figures.", "",
+                _table(["what", "ours vs PyTorch", "our rate", "measured", "result"], _gpu_rows(latest, prefix, name)),
                 ""]
     return "\n".join(out)
 
@@ -198,13 +198,13 @@ def headline(folder=summary.RESULTS, prefix="benchmarks/results/"):
 # --------------------------------------------------------------------------------------------
 def _latest_table(folder, prefix):
     rows = []
-    for (slug, suite, backend), newest_first in sorted(summary.latest(summary.load_all(folder)).items()):
+    for (name, suite, backend), newest_first in sorted(summary.latest(summary.load_all(folder)).items()):
         used = newest_first[:1]
         if suite == "target_gpu_attention" and backend == "triton":
             used = [e for e in newest_first if e["file"] in {r["file"] for r in summary.latest_gpu_grid_rows(
                 newest_first)}]
         for e in used:
-            rows.append([e["device"].get("name", slug), SUITE_TEXT.get(suite, suite) + (f" ({backend})" if backend
+            rows.append([name, SUITE_TEXT.get(suite, suite) + (f" ({backend})" if backend
                                                                                           else ""),
                          _day(e["created"]), _versions(e["versions"]), e["versions"].get("git_commit", "-")[:12],
                          _link(e["file"], prefix)])
