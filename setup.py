@@ -3,7 +3,7 @@
 The C++ extension ``transformer_fast._C`` is compiled against the torch that is already
 installed, so install with ``pip install --no-build-isolation .`` after installing torch.
 Set ``TRANSFORMER_FAST_NO_BUILD=1`` to skip the build: the package then JIT-builds the same
-sources on first use (see ``transformer_fast/_extension.py``).
+sources on first use (``transformer_fast/_dispatch.py``, ``cpp_extension``).
 """
 import os
 import runpy
@@ -86,7 +86,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.2"],
         "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja", "transformers>=5", "matplotlib", "tqdm"],
-        "bench": ["matplotlib", "tqdm", "pytest-benchmark", "ninja"],
+        "bench": ["matplotlib", "tqdm", "ninja"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

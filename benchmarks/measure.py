@@ -62,15 +62,16 @@ def time_once(fn, device):
 
 
 def time_interleaved(fns, device, *, first_call_s=None, max_repeats=25, min_repeats=5, budget_s=4.0,
-                     min_sample_s=0.01):
+                     min_sample_s=0.01, keep_samples=False):
     """{name: summary} for the callables in `fns` ({name: fn}), timed round-robin.
 
     `first_call_s` ({name: seconds}) is an earlier measurement of one call, used to choose how
-    many calls make a sample and how many repeats fit in `budget_s`."""
+    many calls make a sample and how many repeats fit in `budget_s`. With `keep_samples`, each
+    summary also has "samples_ms": one per round, in round order (see `paired_ratio`)."""
     if not fns:
         return {}
     if device.type == "cuda":
-        return _time_cuda(fns, max(3, min_repeats // 2))
+        return _time_cuda(fns, max(3, min_repeats // 2), keep_samples)
     names = list(fns)
     first_call_s = dict(first_call_s or {})
     inner, est_round = {}, 0.0
@@ -90,10 +91,17 @@ def time_interleaved(fns, device, *, first_call_s=None, max_repeats=25, min_repe
                 for _ in range(n):
                     fn()
                 samples[name].append((time.perf_counter() - start) / n)
-    return {name: {**summary(samples[name]), "calls_per_sample": inner[name]} for name in names}
+    return {name: {**summary(samples[name]), "calls_per_sample": inner[name],
+                   **({"samples_ms": [t * 1e3 for t in samples[name]]} if keep_samples else {})} for name in names}
 
 
-def _time_cuda(fns, rounds):
+def paired_ratio(times, base, impl):
+    """Median over rounds of base time / impl time (> 1: impl is faster), from `time_interleaved(...,
+    keep_samples=True)`. Both ran in every round, so a slow phase of the machine cancels out."""
+    return statistics.median(b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"]))
+
+
+def _time_cuda(fns, rounds, keep_samples=False):
     from triton.testing import do_bench
 
     names = list(fns)
@@ -101,7 +109,8 @@ def _time_cuda(fns, rounds):
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             samples[name].append(do_bench(fns[name], warmup=25, rep=100, return_mode="median") / 1e3)
-    return {name: {**summary(samples[name]), "calls_per_sample": "do_bench"} for name in names}
+    return {name: {**summary(samples[name]), "calls_per_sample": "do_bench",
+                   **({"samples_ms": [t * 1e3 for t in samples[name]]} if keep_samples else {})} for name in names}
 
 
 # --------------------------------------------------------------------------------------------

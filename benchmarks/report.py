@@ -1,5 +1,10 @@
 """What the benchmark writes: the crossover statements, the tables (console and Markdown), the
-JSON record and the PNG plots."""
+JSON record and the PNG plots; and, run as a command, the results index and the README's tables.
+
+    python -m benchmarks.report              # rewrites benchmarks/results/INDEX.md and the generated
+                                             # blocks of README.md and docs/performance.md
+    python -m benchmarks.report --check      # exit status 1 if any of them is out of date
+"""
 from __future__ import annotations
 
 import json
@@ -382,3 +387,73 @@ def write_all(result, out_dir, stem, plots=True):
     with open(md_path, "w") as f:
         f.write(markdown(result, images))
     return [json_path, md_path] + [p for ps in images.values() for p in ps]
+
+
+# --------------------------------------------------------------------------------------------
+# Suite records (the target suites and the gpu suite)
+# --------------------------------------------------------------------------------------------
+def header_block(result):
+    """The Markdown head of a suite's record: what ran where, when, with which versions."""
+    d, v = result.get("device") or {}, result["versions"]
+    lines = [f"# {result['suite']}: {d.get('name', 'no GPU')}, {result['created']}", "",
+             f"- Device: {d.get('type')} - {d.get('name')} ({d.get('cpu_count')} CPUs)",
+             "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+             f"- Command: `{result['command']}`"]
+    load = result.get("load_average") or {}
+    if load.get("start"):
+        lines.append(f"- Load average at start {load['start']}, at end {load.get('end')}")
+    if result.get("smoke"):
+        lines.append("- SMOKE RUN: tiny sizes, the numbers mean nothing")
+    return lines + [""]
+
+
+def write_suite(result, out_dir, stem, markdown_fn):
+    os.makedirs(out_dir, exist_ok=True)
+    json_path, md_path = os.path.join(out_dir, f"{stem}.json"), os.path.join(out_dir, f"{stem}.md")
+    with open(json_path, "w") as f:
+        json.dump(_finite(result), f, indent=1, default=str, allow_nan=False)
+        f.write("\n")
+    with open(md_path, "w") as f:
+        f.write(markdown_fn(result))
+    return [json_path, md_path]
+
+
+def write_index(folder):
+    from . import tables
+
+    path = os.path.join(folder, "INDEX.md")
+    with open(path, "w") as f:
+        f.write(tables.index_markdown(folder))
+    return path
+
+
+def main(argv=None):
+    import argparse
+    import sys
+
+    from . import summary, tables
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=summary.RESULTS, help="the results folder")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated file is stale")
+    args = p.parse_args(argv)
+    wanted = {os.path.join(args.results, "INDEX.md"): lambda _old: tables.index_markdown(args.results),
+              os.path.join(root, "README.md"): lambda old: tables.replace_block(old, tables.headline(args.results)),
+              os.path.join(root, "docs", "performance.md"):
+                  lambda old: tables.replace_block(old, tables.performance_block(args.results))}
+    stale = []
+    for path, make in wanted.items():
+        old = open(path).read() if os.path.exists(path) else ""
+        new = make(old)
+        if new != old:
+            stale.append(os.path.relpath(path, root))
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(new)
+    print(("stale: " if args.check else "rewrote: ") + (", ".join(stale) or "nothing"))
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,16 +1,22 @@
-"""The transformer_fast benchmark: one command, whatever the device.
+"""The transformer_fast benchmark: one command, whatever the device, for every suite.
 
-    python -m benchmarks.run                  # quick sweep on the GPU if there is one, else the CPU
-    python -m benchmarks.run --full           # long sweep (up to 16k tokens on CPU, 64k on GPU)
+    python -m benchmarks.run                                   # the sweep: the GPU if there is one, else the CPU
+    python -m benchmarks.run --full                            # the long sweep (up to 16k tokens on CPU, 64k on GPU)
     python -m benchmarks.run --only attention --seq-lens 512 1024 --causal yes
+    python -m benchmarks.run --only target_cpu_attention,target_cpu_layer_norm
+    python -m benchmarks.run --only gpu                        # everything a GPU run does, in one command
 
-For each sequence length it times naive reference attention, torch's SDPA, our softmax and
-linear attention and a plain PyTorch linear attention (causal and not, forward and
+Suites (--only, comma- or space-separated; the default is the sweep's three families):
+{suites}
+
+The sweep times, for each sequence length, naive reference attention, torch's SDPA, our softmax
+and linear attention and a plain PyTorch linear attention (causal and not, forward and
 forward+backward), LayerNorm (ours vs torch, with and without the fused residual) and one
 training step of an encoder-decoder (ours vs torch.nn.Transformer). Every implementation is
 checked against a float64 oracle before it is timed (a wrong one is reported, never timed).
-Results: a table on stdout and, in --out (default benchmarks/results/), <device>-<date>.json,
-<device>-<date>.md and PNG plots. See benchmarks/README.md for the method.
+Results: a table on stdout and, in --out (default benchmarks/results/), <device>-<suite>-<date>.json
+and .md (and PNG plots for the sweep); `python -m benchmarks.report` then rewrites the results
+index and the README's tables from them. See benchmarks/README.md for the method.
 
 On Linux the process re-executes itself with MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_=1 GiB
 (unless set already): glibc would otherwise serve every tensor >= 32 MiB from a fresh memory
@@ -33,6 +39,23 @@ SEQ_LENS = {"cpu": ([128, 256, 512, 1024, 2048], [64, 128, 256, 512, 1024, 2048,
             "cuda": ([1024, 2048, 4096, 8192, 16384], [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])}
 TRAIN_SEQ_LENS = {"cpu": ([128, 256], [128, 256, 512, 1024, 2048]),
                   "cuda": ([512, 2048], [512, 1024, 2048, 4096, 8192])}
+
+SUITES = {
+    "attention": "sweep over N: naive, torch SDPA, ours softmax and linear, PyTorch linear attention",
+    "layer_norm": "sweep over N: LayerNorm, ours (fused residual) against torch",
+    "train_step": "sweep over N: one training step of our encoder-decoder against nn.Transformer",
+    "target_cpu_attention": "C++ attention against F.sdpa, fp32 and bf16, N=2048: the CPU attention target",
+    "target_cpu_layer_norm": "fused residual + LayerNorm against torch, 4096 x 1024, and GB/s against a copy",
+    "target_cpu_linear_attention": "C++ causal linear attention against PyTorch ones, N=4096; memory; crossover",
+    "target_gpu_attention": "Triton attention against torch's FlashAttention backend, bf16/fp16 grid (GPU)",
+    "gpu": "install check, the gpu-marked tests, the sweep and target_gpu_attention on the GPU, results index",
+}
+TARGETS = ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention", "target_gpu_attention")
+__doc__ = __doc__.format(suites="\n".join(f"  {name:<28} {text}" for name, text in SUITES.items()))
+# --smoke: sizes small enough to check that a suite runs end to end in seconds (not measurements)
+SMOKE = {"seq_lens": [16, 32], "batch": 1, "heads": 2, "head_dim": 16, "repeats": 2, "min_repeats": 2, "budget": 0.0,
+         "min_sample_ms": 0.0, "train_seq_lens": [8], "train_d_model": 16, "train_heads": 2, "train_layers": 1,
+         "train_vocab": 11}
 
 
 def _reexec_with_malloc_settings():
@@ -57,7 +80,8 @@ def parse_args(argv=None):
     from . import cases
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog="suites:\n" + "\n".join(f"  {n:<28} {t}" for n, t in SUITES.items()),
+                                formatter_class=_HelpFormatter)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
@@ -71,8 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--passes", nargs="+", default=list(cases.PASSES), choices=list(cases.PASSES),
                    help="forward only and/or forward+backward")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                   help=f"families ({', '.join(cases.FAMILIES)}), implementations "
+                   help=f"suites (listed below; comma- or space-separated), or within the sweep implementations "
                         f"({', '.join(sorted({i for f in cases.IMPLS.values() for i in f}))}) or family:impl")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and no timing budget: checks that the suites run (the numbers mean nothing)")
     p.add_argument("--ln-width", type=int, default=None, help="LayerNorm width (default heads x head-dim)")
     p.add_argument("--train-seq-lens", type=int, nargs="+", default=None, help="training-step lengths")
     p.add_argument("--train-d-model", type=int, default=256, help="training step: model width")
@@ -97,17 +123,31 @@ def parse_args(argv=None):
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
     p.add_argument("--name", default=None, help="output file stem (default <device>-<date>)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--attention-backend", default="triton", choices=["triton", "cpp"],
+                   help="target_gpu_attention: ours is the Triton kernels or the C++ backend's CUDA kernels")
+    p.add_argument("--gpu-rounds", type=int, default=5, help="target_gpu_attention: interleaved do_bench rounds")
+    p.add_argument("--gpu-steps", default="install,tests,benchmarks",
+                   help="gpu: which of install (the install check), tests, benchmarks to run")
+    p.add_argument("--test-workers", type=int, default=None,
+                   help="gpu: pytest-xdist workers for the gpu tests (default: 8 where pytest-xdist is installed)")
+    p.add_argument("--test-timeout", type=float, default=3600, help="gpu: seconds the gpu tests may take")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strict", action="store_true",
                    help="exit with status 1 if an implementation fails its check or raises")
     args = p.parse_args(argv)
 
-    # --only: a family name selects the family; an implementation name filters the implementations
+    # --only: a suite name selects the suite; an implementation name filters the sweep's implementations
     # (and, when no family is named, selects the families that have it); family:impl does both.
+    tokens = [t for item in args.only or [] for t in item.split(",") if t]
     named, scoped, by_impl, impls = set(), set(), set(), {f: [] for f in cases.FAMILIES}
-    for token in args.only or []:
+    args.targets, args.gpu = [], False
+    for token in tokens:
         family, _, impl = token.partition(":")
-        if family in cases.IMPLS and not impl:
+        if token == "gpu":
+            args.gpu = True
+        elif token in TARGETS:
+            args.targets.append(token)
+        elif family in cases.IMPLS and not impl:
             named.add(family)
         elif family in cases.IMPLS and impl in cases.IMPLS[family]:
             scoped.add(family)
@@ -118,10 +158,14 @@ def parse_args(argv=None):
                     impls[f].append(token)
                     by_impl.add(f)
         else:
-            p.error(f"--only: unknown name {token!r}")
-    families = named | scoped | (set() if named else by_impl) if args.only else set(cases.FAMILIES)
+            p.error(f"--only: unknown name {token!r} (suites: {', '.join(SUITES)})")
+    families = named | scoped | (set() if named else by_impl) if tokens else set(cases.FAMILIES)
     args.families = [f for f in cases.FAMILIES if f in families]
     args.impls = {f: impls[f] or list(cases.IMPLS[f]) for f in cases.FAMILIES}
+    if args.smoke:
+        for name, value in SMOKE.items():
+            if getattr(args, name) in (None, p.get_default(name)):
+                setattr(args, name, value)
     for name in ("batch", "heads", "head_dim", "repeats", "min_repeats", "train_d_model", "train_heads",
                  "train_layers", "train_vocab"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -130,6 +174,10 @@ def parse_args(argv=None):
         if getattr(args, name) is not None and min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the option help, and the suite list kept as written."""
 
 
 def resolve(args):
@@ -247,6 +295,59 @@ def run_group(group, args, device, memory_limit, history):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.gpu:
+        from . import gpu_suite
+
+        return gpu_suite.run(args)
+    status = run_sweep(args) if args.families else 0
+    for suite in args.targets:
+        status = max(status, run_target(suite, args))
+    return status
+
+
+def run_target(suite, args):
+    """Runs one target suite and writes <device>-<suite>-<date>.json and .md."""
+    start = time.time()
+    import torch
+
+    import transformer_fast
+
+    from . import measure, report, target_gpu, targets
+
+    device = torch.device("cuda" if suite == "target_gpu_attention" else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"benchmark: {suite} needs a CUDA GPU; skipped", file=sys.stderr)
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.budget is None:
+        args.budget = 8.0 if args.full else 3.0
+    load_start = _load_average()
+    print(f"{suite} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    backends = transformer_fast.available_backends()
+    body = (target_gpu.run if suite == "target_gpu_attention" else targets.SUITES[suite])(args)
+    result = {
+        "schema_version": 1, "suite": suite, "smoke": args.smoke,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + list(getattr(sys, "orig_argv", sys.argv))[1:]),
+        "device": measure.device_info(device), "versions": measure.versions(), "backends": backends,
+        "threads": torch.get_num_threads(), "load_average": {"start": load_start, "end": _load_average()},
+        "environment": {k: os.environ.get(k) for k in _MALLOC_ENV}, "result": body,
+        "wall_time_s": time.time() - start,
+    }
+    stem = f"{args.name}-{suite}" if args.name else \
+        f"{result['device']['slug']}-{suite}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
+    markdown = target_gpu.markdown if suite == "target_gpu_attention" else targets.markdown
+    paths = report.write_suite(result, args.out, stem, markdown)
+    print("wrote " + ", ".join(os.path.relpath(p) for p in paths), flush=True)
+    rows = body.get("rows") or body.get("results") or [body]
+    wrong = [r for r in rows if r.get("status") == "wrong"]
+    return 1 if wrong and args.strict else 0
+
+
+def run_sweep(args):
+    """The sweep over sequence lengths of the families in args.families."""
     start = time.time()
     import torch
 
@@ -332,7 +433,8 @@ def main(argv=None):
     }
     result["crossovers"] = report.crossovers(records)
     result["wall_time_s"] = time.time() - start
-    stem = args.name or f"{result['device']['slug']}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
+    result["suite"], result["smoke"] = "sweep", args.smoke
+    stem = args.name or f"{result['device']['slug']}-sweep-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
     paths = report.write_all(result, args.out, stem, plots=not args.no_plots)
     print()
     print(report.console_text(result))

@@ -47,7 +47,7 @@ using cpu_blas::gemm;
 
 // Per-thread tile buffers start on a cache line. With malloc's 16-byte alignment every 64-byte
 // vector load and store of a tile row straddled two lines: the bf16 forward's row max alone cost
-// as much as a fifth of its tile products (benchmarks/NOTES.md).
+// as much as a fifth of its tile products (docs/design.md).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -388,7 +388,7 @@ class TaskQueue {
 // Runs worker(queue) on each of at::parallel_for's threads, which take the tasks from one queue.
 // at::parallel_for alone gives each thread one fixed share of the tasks; when one core runs
 // slower for a while (common on a shared VM), the other then waits at the end of the call
-// (forward+backward 4% faster this way, benchmarks/NOTES.md). Each task writes its own outputs,
+// (forward+backward 4% faster this way; docs/design.md). Each task writes its own outputs,
 // so which thread runs it does not change the result.
 template <typename Worker>
 void parallel_tasks(int64_t n, Worker&& worker) {
@@ -400,8 +400,8 @@ struct Blocks {
   int64_t m, n;
 };
 
-// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; see benchmarks/bench_attention_cpu.py
-// and benchmarks/NOTES.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
+// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; the alternatives measured are in
+// docs/design.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
 // when that leaves too few tasks for the threads. Backward: 128 query rows (or the forward's, where
 // fewer) by 512 keys in fp32, or 128 keys when causal (the diagonal's tiles are skipped more
 // finely) and in bf16 (its packed products and transposes ran 7% faster on 128).

@@ -91,7 +91,7 @@ using accumulate_t = std::conditional_t<std::is_same_v<T, double>, double, float
 // through beta = 1 make K their total). Here each element is a sum of chunks of kChunk products
 // (each chunk summed in registers, then added to the element's total), so the error grows like
 // kChunk + K / kChunk. A single key's dV went from up to 3-4x the float64 reference's error to
-// below it (fuzzing, benchmarks/NOTES.md).
+// below it (fuzzing; docs/design.md).
 constexpr int64_t kChunk = 16;
 
 inline void few_rows_gemm(bool trans_a, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -140,7 +140,7 @@ inline void few_rows_gemm(bool trans_a, int64_t M, int64_t N, int64_t K, float a
 
 // Products with fewer rows or columns than this stay with MKL, which makes them as dot products
 // (partial sums across vector lanes): more accurate than one FMA chain per element, e.g. a
-// 2 x 64 x 256 product's error 4.5e-6 against 1.2e-5 (benchmarks/NOTES.md), and the fp32
+// 2 x 64 x 256 product's error 4.5e-6 against 1.2e-5 (docs/design.md), and the fp32
 // reference makes them the same way.
 constexpr int64_t kRegisterMinDim = 16;
 inline bool register_tiles_suit(int64_t M, int64_t N) { return M >= kRegisterMinDim && N >= kRegisterMinDim; }
@@ -152,7 +152,7 @@ inline bool register_tiles_suit(int64_t M, int64_t N) { return M >= kRegisterMin
 // set the pace. A is read one element at a time, a(i, k) = A[i * a_row + k * a_col], so op(A) may
 // be A or A^T at no cost, and neither operand is packed. MKL packs operands on every call, which
 // cost it 15-20% on the attention's NN and TN tile products (128 x 512 x 64 and its transposes;
-// benchmarks/NOTES.md). Every element of C is one chain of FMAs over k in order, added to C
+// docs/design.md). Every element of C is one chain of FMAs over k in order, added to C
 // every kRegisterChunk steps: the same rounding whatever the shape of the call, so a score
 // computed in the forward's tiles equals the backward's. (Shorter chunks cost speed: 32 made
 // forward+backward 5% slower, 16 made it 16% slower.)

@@ -231,7 +231,7 @@ at::Tensor padded_float(const std::optional<at::Tensor>& t, int64_t N, const cha
               t->sizes());
   TORCH_CHECK(t->device().is_cpu(), "layer_norm: ", name, " must be a CPU tensor, got ", t->device());
   // Used in place when no padding or conversion is needed: the zero-fill and copy cost ~12 us per
-  // parameter, which on 8 x 512 rows was most of the call (benchmarks/NOTES.md).
+  // parameter, which on 8 x 512 rows was most of the call (docs/design.md).
   if (N % kStep == 0 && t->scalar_type() == at::kFloat && t->is_contiguous()) return *t;
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
   at::Tensor out = at::zeros({padded}, t->options().dtype(at::kFloat));

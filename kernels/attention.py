@@ -345,7 +345,7 @@ def _bwd_configs(tiles):
 # Backward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). The dK/dV kernel holds a BLOCK_N key
 # block (K, V and two fp32 accumulators) and streams BLOCK_M query rows: long key blocks and short
 # query tiles. The dQ kernel holds BLOCK_M query rows and streams keys. Chosen on an H100 with
-# benchmarks/sweep_attention_gpu.py (bf16, N=4096; times, registers and spills in NOTES.md): the
+# benchmarks/tools/sweep_attention_tiles_gpu.py (bf16, N=4096; output in benchmarks/results/): the
 # three fastest tiles per kernel and head dim that spill little or nothing, causal and not. The
 # mask features are part of the autotune key: with them the same tile can spill (compile check).
 _DKDV_TILES_LOWP = {
@@ -539,7 +539,7 @@ def _block_dims(d, dv):
     block would be narrower, the value block is widened to BLOCK_D. On an H100, Triton 3.6
     miscompiled the forward for (D, Dv) = (40, 23) and (24, 11), with wrong outputs and
     out-of-range shared-memory accesses (compute-sanitizer), while (48, 23), (80, 23), (80, 40)
-    and ten other pairs with a padded head dim were right without widening (benchmarks/NOTES.md).
+    and ten other pairs with a padded head dim were right without widening (docs/design.md).
     Widening wherever a head dim is padded would cost spills (dK/dV at (80, 40): 14 KB on sm_80).
     The extra value columns are loaded as zeros and never stored."""
     block_d, block_dv = _block_dim(d), _block_dim(dv)

@@ -106,7 +106,7 @@ def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.
 def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
     """dq, dk, dv by FlashAttention-2's backward equations, unfused, with fp32 arithmetic on the
     inputs' values: P = exp(S - lse), dS = P * (dP - delta) with delta = rowsum(dO * O) taken from
-    O as stored (in the inputs' dtype). The kernels use this delta, as issue #3 asks, and it
+    O as stored (in the inputs' dtype). The kernels use this delta, as FlashAttention-2 does, and it
     carries an error that autograd's delta = rowsum(P * dP) does not: where one key takes all of
     a row's probability, autograd's dS cancels to exactly 0 and this one is off by a rounding of
     |dO| |O|; with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels

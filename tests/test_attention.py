@@ -205,7 +205,7 @@ def test_few_queries_with_wide_heads(case):
     """fp32 scores of a few queries (or a few keys) against wide heads: the C++ backend makes
     products with fewer than 16 rows or columns through MKL, which sums each as a dot product.
     The register tiles' one FMA chain per element gave the output and dQ of such shapes 2-9x the
-    reference's error under a peaked softmax (fuzzing; benchmarks/NOTES.md); both cases fail
+    reference's error under a peaked softmax (fuzzing; docs/design.md); both cases fail
     with them. Packed products forced: the path where the scores would use register tiles."""
     _need("cpp")
     B, H, Hk, Nq, Nk, D, Dv, is_causal, scale = case

@@ -1,5 +1,6 @@
-"""Smoke test of the benchmark command (benchmarks/run.py) on tiny sizes, plus the pieces of it
-that decide what gets reported: the correctness gate and the crossover statement."""
+"""The benchmark harness on tiny sizes: the command (benchmarks/run.py) and its suites, the pieces
+that decide what gets reported (the correctness gate, the crossover statement), and the report
+tool that turns the committed results into the index and the README's tables."""
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is run from the repository root, not installed
 
-from benchmarks import cases, report  # noqa: E402
+from benchmarks import cases, report, summary, tables  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,13 +25,22 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--seq-lens", "16", "32", "--ba
         "--train-vocab", "11", "--no-progress", "--threads", "1"]
 
 
+def _bench(*args, timeout=600):
+    """Runs the command exactly as a user does (a subprocess from the repository root)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "TRANSFORMER_FAST_BENCH_NO_REEXEC"}
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+CPU_SUITES = ("attention", "layer_norm", "train_step", "target_cpu_attention", "target_cpu_layer_norm",
+              "target_cpu_linear_attention")
+
+
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    """Runs the command exactly as a user does (a subprocess from the repository root)."""
+    """Every CPU suite in one run of the command, as a user runs it."""
     out = tmp_path_factory.mktemp("bench")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "TRANSFORMER_FAST_BENCH_NO_REEXEC"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *TINY, "--out", str(out), "--name", "smoke"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = _bench(*TINY, "--smoke", "--only", ",".join(CPU_SUITES), "--out", str(out), "--name", "smoke")
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(out / "smoke.json") as f:
         result = json.load(f)
@@ -203,3 +213,111 @@ def test_only_selects_families_and_implementations(capsys):
     with pytest.raises(SystemExit):
         bench_run.parse_args(["--only", "nonsense"])
     assert "unknown name 'nonsense'" in capsys.readouterr().err
+
+
+def test_help_lists_every_suite(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_run.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for suite in bench_run.SUITES:
+        assert f"  {suite} " in text, suite
+    assert set(bench_run.TARGETS) | set(cases.FAMILIES) | {"gpu"} == set(bench_run.SUITES)
+
+
+def test_only_takes_suites_comma_separated():
+    args = bench_run.parse_args(["--only", "target_cpu_attention,layer_norm", "target_cpu_layer_norm"])
+    assert args.targets == ["target_cpu_attention", "target_cpu_layer_norm"] and args.families == ["layer_norm"]
+    args = bench_run.parse_args(["--only", "target_cpu_linear_attention"])
+    assert args.families == [] and args.targets == ["target_cpu_linear_attention"] and not args.gpu
+    assert bench_run.parse_args(["--only", "gpu"]).gpu
+
+
+def test_cpu_target_suites_write_their_results(harness):
+    """The three CPU target suites on tiny shapes: each checks, times and writes JSON and Markdown."""
+    out, _, _ = harness
+    results = {}
+    for suite in ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention"):
+        with open(out / f"smoke-{suite}.json") as f:
+            results[suite] = json.load(f)
+        assert results[suite]["suite"] == suite and results[suite]["smoke"] is True
+        assert (out / f"smoke-{suite}.md").read_text().startswith(f"# {suite}:")
+    rows = results["target_cpu_attention"]["result"]["rows"]
+    assert [r["case"] for r in rows] == list(summary.CPU_CASES)
+    assert all(r["status"] == "ok" and r["ratio"] > 0 and r["max_error"] <= r["error_bound"] for r in rows)
+    ln = results["target_cpu_layer_norm"]["result"]
+    assert ln["status"] == "ok" and ln["forward_ratio"] > 0 and ln["copy_gb_per_s"] > 0
+    la = results["target_cpu_linear_attention"]["result"]
+    assert set(la["passes"]) == {"forward", "forward+backward"} and set(la["crossover_vs_sdpa"]) == {"causal",
+                                                                                                  "non-causal"}
+    # smoke runs never count as results
+    assert summary.load_all(str(out)) == []
+
+
+def test_install_check_runs_every_family_against_the_reference():
+    """The gpu suite's install check, on the CPU: every family in every dtype within the bound,
+    and a kernel 1% off is caught."""
+    from benchmarks import gpu_suite
+
+    checks = gpu_suite.family_checks(torch.device("cpu"))
+    assert set(checks) == {f"{f} {d}" for f in ("attention", "linear_attention", "layer_norm")
+                           for d in ("float16", "bfloat16", "float32")}
+    assert all(c["ok"] for c in checks.values()), checks
+    exact = torch.randn(5, dtype=torch.float64)
+    assert not gpu_suite._check(exact * 1.01, exact, exact.float())["ok"]
+
+
+def test_gpu_suite_without_a_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert bench_run.main(["--only", "gpu", "--gpu-steps", "install"]) == 1
+    captured = capsys.readouterr()
+    assert "CUDA is not available" in captured.out and "no CUDA GPU here" in captured.err
+
+
+ATTENTION_LOG = """float32 B=1 H=8 N=2048 D=64, 2 threads, 15 interleaved pairs
+case                    torch ms   ours ms   ratio
+forward                     59.6      50.0    1.18
+fwd+bwd                    196.2     161.5    1.23
+
+case                    torch ms   ours ms   ratio
+forward                     72.8      55.9    1.15
+fwd+bwd                    217.3     181.5    1.24
+## bf16
+forward 1.05, causal 0.96, padded 1.51; fwd+bwd 1.88, causal 2.01, padded 2.65
+"""
+
+
+def test_text_results_are_parsed_per_run():
+    rows = summary.parse_attention_log(ATTENTION_LOG)["rows"]
+    fp32 = [(r["case"], r["ratio"], r["run"]) for r in rows if r["dtype"] == "float32"]
+    assert fp32 == [("forward", 1.18, 0), ("fwd+bwd", 1.23, 0), ("forward", 1.15, 1), ("fwd+bwd", 1.24, 1)]
+    bf16 = {r["case"]: r["ratio"] for r in rows if r["dtype"] == "bfloat16"}
+    assert bf16 == dict(zip(summary.CPU_CASES, (1.05, 0.96, 1.51, 1.88, 2.01, 2.65)))
+    assert all(r["shape"] == "B=1 H=8 N=2048 D=64" for r in rows)
+    assert tables._range([1.18, 1.15]) == "1.15-1.18x" and tables._range([1.05]) == "1.05x"
+
+
+def test_a_partial_gpu_grid_run_supersedes_only_what_it_measured():
+    def entry(name, created, units):
+        results = [{"dtype": d, "passes": p, "N": 1024, "ratio": 1.0} for d, p in units]
+        return {"file": name, "created": created, "data": {"results": results}}
+
+    old = entry("old.json", "2026-01-01", [("bfloat16", "fwd"), ("bfloat16", "fwd+bwd"), ("float16", "fwd")])
+    new = entry("new.json", "2026-01-02", [("bfloat16", "fwd+bwd")])
+    rows = summary.latest_gpu_grid_rows([new, old])
+    assert {(r["dtype"], r["passes"]): r["file"] for r in rows} == {
+        ("bfloat16", "fwd+bwd"): "new.json", ("bfloat16", "fwd"): "old.json", ("float16", "fwd"): "old.json"}
+
+
+def test_generated_tables_are_up_to_date():
+    """README.md, docs/performance.md and benchmarks/results/INDEX.md hold what the report tool
+    makes of the committed results (run `python -m benchmarks.report` after adding results)."""
+    assert report.main(["--check"]) == 0
+
+
+def test_generated_block_replaces_only_its_own_lines():
+    text = f"intro\n{tables.BEGIN}\nold table\n{tables.END}\noutro\n"
+    new = tables.replace_block(text, "| new |")
+    assert new.startswith("intro\n" + tables.BEGIN) and new.endswith(tables.END + "\noutro\n")
+    assert "old table" not in new and "| new |" in new

@@ -337,7 +337,7 @@ def run_op(op, fn, *args, autograd=None, composite=None):
     overhead, the function ``fn`` it was made from: directly when no autograd graph is recorded,
     or through ``autograd`` (from eager_autograd) when one is. The op's dispatch (autograd
     wrapper, schema checks) costs 30-100 us per call, more than the kernels on small inputs (a
-    decoding step, LayerNorm over a few rows).
+    decoding step, LayerNorm over a few rows; docs/design.md).
 
     The op itself runs under torch.compile and torch.jit.trace (which must record the op, not
     bake its result into the graph), under Python dispatch or function modes, for tensor

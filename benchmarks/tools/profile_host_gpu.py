@@ -1,12 +1,13 @@
 """Where the host time of small GPU calls goes: host and device time per call, then cProfile.
 
-    python -m benchmarks.profile_host_gpu [--calls 200] [--top 25]
+    python -m benchmarks.tools.profile_host_gpu [--calls 200] [--top 25]
 
-On the second H100 lease, benchmarks.run measured about 0.15 ms per LayerNorm forward and 0.9-1 ms
-per forward+backward (LayerNorm over 4096 x 1024, attention over 4 x 16 x 1024 x 64) where torch
-took 0.02-0.26 ms: far more than the kernels need, on a machine that was not quiet. For each
-case this prints the host time per call (calls queued without synchronizing) and the time per
-call including the device, for ours and torch's, then the functions where our calls spend it.
+In the H100 sweep (benchmarks/results/cuda-h100-2026-11-23-0505.md) a LayerNorm forward over
+4096 x 1024 took 0.15 ms and a forward+backward about 1 ms (attention over 4 x 16 x 1024 x 64:
+0.94 ms) where torch took 0.02-0.26 ms: far more than the kernels need, measured on a machine that
+was not quiet. For each such case this prints the host time per call (calls queued without
+synchronizing) and the time per call including the device, for ours and torch's, then the
+functions where our calls spend it.
 """
 import argparse
 import cProfile
@@ -51,7 +52,7 @@ def _per_call(fn, calls):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_host_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.profile_host_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)

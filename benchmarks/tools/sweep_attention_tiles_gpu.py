@@ -1,14 +1,14 @@
 """Tile sweep for the Triton attention backward kernels on one GPU.
 
-    python -m benchmarks.sweep_attention_gpu [--n 4096] [--head-dims 64 128] [--jobs 12]
+    python -m benchmarks.tools.sweep_attention_tiles_gpu [--n 4096] [--head-dims 64 128] [--jobs 12]
 
 Times every candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV and the dQ kernel
 directly (no autotuner), for bf16, causal and not, B * N = 16k tokens, H * D = 2048, and prints
 each one's time, registers and spills, and its largest relative difference from the first
 candidate's dK/dV or dQ (a wrong tile shows up there). The candidates are compiled first in
 `--jobs` worker processes (Triton compiles one kernel at a time per process; the workers fill
-Triton's on-disk cache, the timing process then loads from it). The autotune tables in
-kernels/attention.py are chosen from this sweep (see benchmarks/NOTES.md).
+Triton's on-disk cache, the timing process then loads from it). The bf16/fp16 backward tile
+tables in kernels/attention.py were chosen from its output (docs/design.md, "Tiles").
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _compile_worker(jobs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attention_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tools.sweep_attention_tiles_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--jobs", type=int, default=12)

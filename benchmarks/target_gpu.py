@@ -1,13 +1,9 @@
-"""The Triton attention against torch's FlashAttention backend on one GPU: speed ratios and TFLOP/s.
+"""target_gpu_attention: the Triton attention against torch's FlashAttention backend on one GPU.
 
-    python -m benchmarks.bench_attention_gpu [--dtypes bfloat16 float16] [--head-dims 64 128]
-        [--seq-lens 1024 2048 4096 8192 16384] [--rounds 5] [--out benchmarks/results] [--backend cpp]
-
-(--backend cpp times the C++ backend's CUDA kernels, the fallback for GPUs without Triton, instead.)
-
-The grid is the one of issue #3: forward and forward+backward, causal and not, for each dtype,
-head dim and length. Batch and heads follow the FlashAttention papers' convention: B * N = 16k
-tokens and H * D = 2048, so every case does about the same work per token. Each case:
+The grid of the GPU performance target: forward and forward+backward, causal and not, bf16 and
+fp16, head dims 64 and 128, N = 1k ... 16k. Batch and heads follow the FlashAttention papers'
+convention: B * N = 16k tokens and H * D = 2048, so every case does about the same work per
+token. Each case:
 
 1. checks our output and gradients against torch's on the same inputs (relative Frobenius
    error; both are compared with a float64 reference on 16 query rows of one head as well);
@@ -21,21 +17,18 @@ tokens and H * D = 2048, so every case does about the same work per token. Each 
 FLOPs are counted as FlashAttention does: 4 B H N^2 D for the forward (half when causal), 2.5x
 that for the backward, whatever the kernels actually execute (our backward recomputes the
 scores in two kernels, so it executes 7 tile products where FlashAttention-2 executes 5).
+`--attention-backend cpp` times the C++ backend's CUDA kernels (the fallback for GPUs without
+Triton) instead.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 
 import torch
 import torch.nn.functional as F
 
 import transformer_fast as tf
-
-from .measure import device_info, versions
 
 
 def _do_bench(fn):
@@ -142,10 +135,14 @@ def run_case(dtype, D, N, causal, passes, args):
                 torch_tflops=flops / t_torch / 1e12, ours_tflops=flops / t_ours / 1e12, check=check)
 
 
-def markdown(results, rates, info, vers, args):
-    lines = [f"# {args.backend} attention vs torch flash on {info['name']}", "",
-             f"torch {vers['torch']}, triton {vers.get('triton')}, CUDA {vers.get('cuda')}, "
-             f"commit {vers.get('git_commit', '?')}. Matrix-product rate measured in this run (8192^3, random): "
+def markdown(result):
+    """The Markdown record of the suite's result."""
+    from .report import header_block
+
+    body = result["result"]
+    results, rates = body["results"], body["matmul_flops_per_s"]
+    lines = header_block(result) + [
+             f"Ours: the {body['args']['backend']} backend. Matrix-product rate measured in this run (random data): "
              + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()) + ".", "",
              "ratio = torch time / our time (median of interleaved do_bench rounds; > 1 = ours faster). "
              "% mm = our TFLOP/s over the matrix-product rate of the dtype.", "",
@@ -161,61 +158,37 @@ def markdown(results, rates, info, vers, args):
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention_gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    p.add_argument("--tokens", type=int, default=16384, help="B * N")
-    p.add_argument("--hidden", type=int, default=2048, help="H * D")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--backend", default="triton", choices=["triton", "cpp"],
-                   help="ours: the Triton kernels, or the C++ backend's CUDA kernels (slow: try --seq-lens 1024 2048)")
-    p.add_argument("--out", default=None, help="folder for <device>-attention-<date>.{json,md}")
-    args = p.parse_args(argv)
+def run(args):
+    """The grid; returns the suite's result body (written by benchmarks.run)."""
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention_gpu needs a CUDA GPU")
-    torch.manual_seed(0)
-    info, vers = device_info(torch.device("cuda")), versions()
-    dtypes = [getattr(torch, d) for d in args.dtypes]
-    rates = {str(d).replace("torch.", ""): matmul_rate(d) for d in dtypes}
-    print(f"{info['name']}: " + ", ".join(f"{k} mm {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()), flush=True)
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+        raise SystemExit("target_gpu_attention needs a CUDA GPU")
+    torch.manual_seed(args.seed)
+    grid = argparse.Namespace(
+        backend=args.attention_backend, rounds=args.gpu_rounds, tokens=16384, hidden=2048,
+        dtypes=[args.dtype] if args.dtype else ["bfloat16", "float16"],
+        head_dims=[args.head_dim] if args.head_dim != 64 else [64, 128],
+        seq_lens=args.seq_lens or [1024, 2048, 4096, 8192, 16384], passes=list(args.passes),
+        causal=args.causal)
+    if args.smoke:
+        grid.tokens, grid.hidden, grid.seq_lens, grid.head_dims, grid.rounds = 256, 64, [128], [32], 1
+    dtypes = [getattr(torch, d) for d in grid.dtypes]
+    rates = {str(d).replace("torch.", ""): matmul_rate(d, 1024 if args.smoke else 8192) for d in dtypes}
+    print("  " + ", ".join(f"{k} mm {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()), flush=True)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[grid.causal]
     results = []
     for dtype in dtypes:
-        for D in args.head_dims:
+        for D in grid.head_dims:
             for causal in causals:
-                for N in args.seq_lens:
-                    for passes in args.passes:
-                        r = run_case(dtype, D, N, causal, passes, args)
+                for N in grid.seq_lens:
+                    for passes in grid.passes:
+                        r = run_case(dtype, D, N, causal, passes, grid)
                         results.append(r)
                         chk = r["check"]
                         extra = (f"  err out {chk['out_vs_torch']:.1e} dq {chk['dq_vs_torch']:.1e} "
                                  f"dk {chk['dk_vs_torch']:.1e} dv {chk['dv_vs_torch']:.1e} rows(ours/torch) "
                                  f"{chk['ours_vs_fp64_rows']:.1e}/{chk['torch_vs_fp64_rows']:.1e}"
                                  f"{'' if chk['finite'] else ' NONFINITE'}") if chk else ""
-                        print(f"{r['dtype']:>8} D={D:<3} N={N:<5} causal={int(causal)} {passes:<7} "
+                        print(f"  {r['dtype']:>8} D={D:<3} N={N:<5} causal={int(causal)} {passes:<7} "
                               f"torch {r['torch_ms']:8.3f} ms  ours {r['ours_ms']:8.3f} ms  ratio {r['ratio']:.2f}  "
                               f"ours {r['ours_tflops']:4.0f} TFLOP/s{extra}", flush=True)
-                        if args.out:  # after every case, so a run cut by a time limit keeps what it measured
-                            stem = write_results(results, rates, info, vers, args)
-    if args.out:
-        print(f"wrote {stem}.json and .md")
-
-
-def write_results(results, rates, info, vers, args):
-    os.makedirs(args.out, exist_ok=True)
-    kind = "attention" if args.backend == "triton" else f"attention-{args.backend}"
-    stem = os.path.join(args.out, f"{info['slug']}-{kind}-{datetime.date.today().isoformat()}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(device=info, versions=vers, matmul_flops_per_s=rates, args=vars(args), results=results), f,
-                  indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(results, rates, info, vers, args))
-    return stem
-
-
-if __name__ == "__main__":
-    main()
+    return {"matmul_flops_per_s": rates, "args": vars(grid), "results": results}

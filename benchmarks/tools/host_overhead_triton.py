@@ -1,12 +1,12 @@
 """Host (Python) time per call of the Triton path, without a GPU.
 
-    python benchmarks/host_overhead_triton.py
+    python -m benchmarks.tools.host_overhead_triton
 
 Every Triton kernel launch is replaced by a no-op, and the public functions run on small CPU
 tensors under TRITON_INTERPRET=1 (one thread). What is left is what a call costs on the host
 before and around its launches: argument checks, the dispatch, the launchers' block-size choice,
 output allocation and the autograd plumbing. On a GPU, Triton's own launch cost (tens of us per
-kernel) comes on top; `benchmarks/profile_host_gpu.py` measures the whole on a GPU.
+kernel) comes on top; `benchmarks/tools/profile_host_gpu.py` measures the whole on a GPU.
 Minimum over 7 runs of 100-300 calls each."""
 import os
 

@@ -1,0 +1,168 @@
+"""Reads the committed results (benchmarks/results/) and picks the latest per device and suite:
+the input of the results index and of the README's generated tables (see report.main).
+
+Every suite writes JSON with its suite name and date. A few result files predate that: the
+sweeps and GPU attention grids in JSON without a suite name or date, and CPU target runs kept as
+the text the benchmark printed. `EARLIER_FORMATS` says what each of them is, and the parsers
+below read the text ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# file -> (suites, when measured). The text files' device: the 2-core development VM of the CPU sweeps.
+EARLIER_FORMATS = {
+    "cuda-h100-attention-2026-11-22-grid-first-bwd-tiles.json": (("target_gpu_attention",), "2026-11-22T01:00"),
+    "cuda-h100-attention-2026-11-22-bf16-fwdbwd-swept-tiles.json": (("target_gpu_attention",), "2026-11-22T02:00"),
+    "cuda-h100-attention-2026-11-23-fp16-fwdbwd.json": (("target_gpu_attention",), "2026-11-23T05:10"),
+    "cuda-h100-attention-cpp-2026-11-23.json": (("target_gpu_attention",), "2026-11-23T05:20"),
+    "cpu-attention-2026-11-23-register-tiles.txt": (("target_cpu_attention",), "2026-11-23T12:00"),
+    "cpu-targets-2026-11-22.txt": (("target_cpu_layer_norm", "target_cpu_linear_attention"), "2026-11-22T12:00"),
+}
+# Records that are not benchmark results: what each is.
+OTHER_RECORDS = {
+    "compile-check-2026-11-23.txt": "Triton kernels compiled for sm_80 and sm_90 without a GPU: registers and spills "
+                                    "of every config (`python -m transformer_fast.kernels.compile_check`)",
+    "compile-check-cuda-2026-11-23.txt": "the C++ backend's CUDA kernels compiled with nvcc for sm_80 and sm_90: "
+                                         "registers and spills (`compile_check --cuda`)",
+    "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
+                                                         "timed alone on an H100 (benchmarks/tools/sweep_attention_"
+                                                         "tiles_gpu.py): the source of the bf16/fp16 backward tables",
+    "cuda-h100-gpu-tests-2026-11-23.txt": "the `gpu`-marked tests on an H100: summary of each run, and the "
+                                          "head-dim pairs that located the Triton 3.6 miscompilation",
+}
+CPU_VM = "Intel(R) Xeon(R) Processor"
+CPU_CASES = ("forward", "forward causal", "forward 1/4 padded", "fwd+bwd", "fwd+bwd causal", "fwd+bwd 1/4 padded")
+
+
+def _torch_version(text):
+    m = re.search(r"torch (\d+\.\d+\.\d+\S*)", text)
+    return m.group(1).rstrip(",;") if m else None
+
+
+def parse_attention_log(text):
+    """Ratio tables of the CPU attention target as printed ('float32 B=1 H=8 N=2048 D=64, ...' then
+    'case torch ms ours ms ratio' rows, one table per run), and one-line bf16 summaries."""
+    rows, shape, dtype, run = [], None, None, -1
+    for line in text.splitlines():
+        m = re.match(r"(float32|bfloat16) (B=\d+ H=\d+ N=\d+ D=\d+), \d+ threads, \d+ interleaved pairs", line)
+        if m:
+            dtype, shape = m.group(1), m.group(2)
+            continue
+        if line.startswith("case") and "ratio" in line:
+            run += 1
+            continue
+        m = re.match(r"(forward|forward causal|forward 1/4 padded|fwd\+bwd|fwd\+bwd causal|fwd\+bwd 1/4 padded)"
+                     r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", line)
+        if m and dtype:
+            rows.append({"dtype": dtype, "shape": shape, "case": m.group(1), "torch_ms": float(m.group(2)),
+                         "ours_ms": float(m.group(3)), "ratio": float(m.group(4)), "run": run, "status": "ok"})
+            continue
+        m = re.match(r"forward ([\d.]+), causal ([\d.]+), padded ([\d.]+); fwd\+bwd ([\d.]+), causal ([\d.]+), "
+                     r"padded ([\d.]+)$", line)
+        if m and shape:
+            run += 1
+            rows += [{"dtype": "bfloat16", "shape": shape, "case": case, "ratio": float(x), "run": run, "status": "ok"}
+                     for case, x in zip(CPU_CASES, m.groups())]
+    return {"rows": rows}
+
+
+def parse_layer_norm_log(text):
+    m = re.search(r"LayerNorm float32 (\d+)x(\d+)", text)
+    num = {key: float(re.search(pattern, text).group(1)) for key, pattern in (
+        ("forward_ratio", r"speed-up forward\s+([\d.]+)x"),
+        ("forward_backward_ratio", r"speed-up forward\+backward\s+([\d.]+)x"),
+        ("forward_gb_per_s", r"fused forward\s+([\d.]+) GB/s"),
+        ("copy_gb_per_s", r"copy bandwidth\s+([\d.]+) GB/s"))}
+    return {"shape": f"{m.group(1)} x {m.group(2)} float32", "status": "ok", **num}
+
+
+def parse_linear_attention_log(text):
+    out = {"status": "ok", "passes": {}, "peak_rss_growth_mib": {}, "crossover_vs_sdpa": {}}
+    for m in re.finditer(r"^(forward|forward\+backward)\s+(B=\d+ H=\d+ N=\d+ D=\d+ causal fp32): ours ([\d.]+) ms, "
+                         r"cumsum [\d.]+ ms \(([\d.]+)x\), sdpa [\d.]+ ms \(([\d.]+)x\)", text, re.M):
+        out["shape"] = m.group(2).replace("fp32", "float32")
+        out["passes"][m.group(1)] = {"ours_ms": float(m.group(3)), "vs_cumsum": float(m.group(4)),
+                                     "vs_sdpa": float(m.group(5))}
+    for m in re.finditer(r"peak RSS growth .* N=(\d+): (\d+) MiB", text):
+        out["peak_rss_growth_mib"][m.group(1)] = float(m.group(2))
+    for m in re.finditer(r"^(causal|non-causal): linear attention \(C\+\+\) is faster than F.sdpa from N = (\d+)",
+                         text, re.M):
+        out["crossover_vs_sdpa"][m.group(1)] = {"faster_from": int(m.group(2))}
+    return out
+
+
+def _entry(path, suite, created, device, versions, data):
+    return {"file": os.path.basename(path), "suite": suite, "created": created, "device": device,
+            "versions": versions, "data": data}
+
+
+def load(path):
+    """The result entries of one file: [{file, suite, created, device, versions, data}]."""
+    name = os.path.basename(path)
+    suites, when = EARLIER_FORMATS.get(name, ((), None))
+    if name.endswith(".txt"):
+        if not suites:
+            return []
+        with open(path) as f:
+            text = f.read()
+        device = {"slug": "cpu", "name": CPU_VM, "type": "cpu"}
+        versions = {"torch": _torch_version(text)}
+        parsers = {"target_cpu_attention": parse_attention_log, "target_cpu_layer_norm": parse_layer_norm_log,
+                   "target_cpu_linear_attention": parse_linear_attention_log}
+        return [_entry(path, s, when, device, versions, parsers[s](text)) for s in suites]
+    if not name.endswith(".json"):
+        return []
+    with open(path) as f:
+        result = json.load(f)
+    if result.get("smoke"):
+        return []
+    if "cases" in result:  # a sweep
+        return [_entry(path, result.get("suite", "sweep"), result["created"], result["device"], result["versions"],
+                       result)]
+    if "results" in result:  # a GPU attention grid written before the suites
+        data = {k: result[k] for k in ("matmul_flops_per_s", "args", "results")}
+        return [_entry(path, suites[0], when, result["device"], result["versions"], data)]
+    if "suite" in result:
+        return [_entry(path, result["suite"], result["created"], result.get("device", {}), result["versions"],
+                       result.get("result", result))]
+    return []
+
+
+def load_all(folder=RESULTS):
+    entries = []
+    for name in sorted(os.listdir(folder)):
+        entries += load(os.path.join(folder, name))
+    return entries
+
+
+def variant(entry):
+    """What a newer entry supersedes: the same device (by name: every CPU's slug is "cpu"),
+    suite and (GPU grid) backend."""
+    backend = entry["data"].get("args", {}).get("backend", "triton") if entry["suite"] == "target_gpu_attention" else ""
+    return entry["device"].get("name"), entry["suite"], backend
+
+
+def latest(entries):
+    """{variant: [entries, newest first]}."""
+    out = {}
+    for e in sorted(entries, key=lambda e: e["created"], reverse=True):
+        out.setdefault(variant(e), []).append(e)
+    return out
+
+
+def latest_gpu_grid_rows(newest_first):
+    """The GPU attention grid's rows, each (dtype, pass) from the newest run that measured it:
+    runs that timed a subset after a kernel change supersede only that subset."""
+    rows, taken = [], set()
+    for entry in newest_first:
+        units = {(r["dtype"], r["passes"]) for r in entry["data"]["results"]}
+        for unit in sorted(units - taken):
+            rows += [dict(r, file=entry["file"], created=entry["created"]) for r in entry["data"]["results"]
+                     if (r["dtype"], r["passes"]) == unit]
+        taken |= units
+    return rows
