@@ -98,7 +98,7 @@ def test_convert_nested_model(caplog):
                 p.normal_()
     types_before = {name: type(m) for name, m in model.named_modules()}
     with caplog.at_level(logging.INFO, logger="transformer_fast.convert"):
-        converted, report = tf.convert(model, return_report=True)
+        converted, report = tf.convert(model, inplace=False, return_report=True)
     assert {r.name: r.new for r in report} == EXPECTED
     assert all(r.old is types_before[r.name] for r in report)
     assert "heads.mixer" in caplog.text and "MultiheadAttention" in caplog.text
@@ -119,7 +119,7 @@ def test_convert_nested_model(caplog):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_convert_torch_transformer(norm_first):
     model = nn.Transformer(E, H, 2, 2, 32, dropout=0.0, norm_first=norm_first, batch_first=True).eval()
-    converted = tf.convert(model)
+    converted = tf.convert(copy.deepcopy(model))
     assert type(converted) is tf.Transformer and not converted.training
     assert type(converted.decoder.layers[1].multihead_attn) is tf.MultiheadAttention
     src, tgt = torch.randn(3, 7, E), torch.randn(3, 5, E)
@@ -145,9 +145,35 @@ def test_convert_inplace_and_idempotent():
     assert report == [] and type(again[0]) is tf.TransformerEncoderLayer
 
 
+def test_convert_in_place_keeps_the_parameters_an_optimizer_holds():
+    """The README's ``model = convert(model)``: the same model and the same Parameter objects, so
+    an optimizer built before the swap trains the converted model (it used to train an orphaned
+    copy's originals), and nothing is copied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), nn.LayerNorm(E))
+    params = list(model.parameters())
+    storage = [p.data_ptr() for p in params]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    converted = tf.convert(model)
+    assert converted is model and type(model[0]) is tf.TransformerEncoderLayer
+    assert all(a is b for a, b in zip(params, converted.parameters()))
+    assert storage == [p.data_ptr() for p in converted.parameters()]
+    before = [p.detach().clone() for p in params]
+    converted(torch.randn(2, 5, E)).square().sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, converted.parameters()))
+
+
+def test_convert_inplace_false_copies():
+    model = nn.Sequential(nn.LayerNorm(E))
+    converted = tf.convert(model, inplace=False)
+    assert converted is not model and type(model[0]) is nn.LayerNorm and type(converted[0]) is tf.LayerNorm
+    assert converted[0].weight is not model[0].weight
+
+
 def test_convert_root_module_keeps_dtype_and_mode():
     mha = nn.MultiheadAttention(E, H).double().eval()
-    converted = tf.convert(mha)
+    converted = tf.convert(mha, inplace=False)
     assert type(converted) is tf.MultiheadAttention and type(mha) is nn.MultiheadAttention
     assert converted.in_proj_weight.dtype == torch.float64 and not converted.training
     x = torch.randn(5, 2, E, dtype=torch.float64)

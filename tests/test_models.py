@@ -195,3 +195,16 @@ def test_decode_step_cache_growth(attention):
                     assert layer_cache.cross_state.S.shape == (2, 3, 8, 8)
         full = model.decode(tokens, memory, mask)
     torch.testing.assert_close(torch.stack(step_logits, 1), full, rtol=0, atol=1e-4)
+
+
+def test_generate_checks_its_length_budget_up_front(monkeypatch):
+    """Past max_len, generate used to fail mid-decode; it refuses before decoding anything."""
+    model = make_model(max_len=8)
+    steps = []
+    original = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda *a: steps.append(1) or original(*a))
+    with pytest.raises(ValueError, match="max_len=8"):
+        model.generate(random_src(B=2, S=5, lengths=(5, 3)), max_new_tokens=9, bos_id=BOS)
+    assert steps == []
+    tokens = model.generate(random_src(B=2, S=5, lengths=(5, 3)), max_new_tokens=8, bos_id=BOS)
+    assert tokens.shape == (2, 9) and len(steps) == 8

@@ -96,6 +96,10 @@ def backward(composite, args, differentiable, grads):
     if not wanted:
         return result
     with torch.enable_grad():
+        # Differentiated through fresh aliases: an arg may also lie behind another arg (the
+        # normalised input h is the op's own output, computed from its weight), and torch must
+        # not take the gradient through that path (it would re-enter this backward).
+        args = [a.view_as(a) if i in wanted else a for i, a in enumerate(args)]
         outs = composite(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
