@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace transformer_fast {
 namespace cpu_blas {
@@ -237,6 +238,24 @@ inline void register_gemm(int64_t M, int64_t N, int64_t K, float alpha, const fl
 }
 #endif
 
+// A BLAS (and brgemm) wants each stored row of an operand to start at least a row length after
+// the previous one: ld >= max(1, row length). Views torch allows break that: an expanded tensor
+// (stride 0), overlapping windows (unfold, as_strided) give a row stride below the row length,
+// and MKL then prints "Parameter N was incorrect" and skips the product. Such an operand is
+// copied, rows x cols with ld = cols, into one of the calling thread's two scratch buffers (slot
+// 0 for A, 1 for B: a product may need both), which the BLAS then reads. Valid strides copy
+// nothing.
+inline bool blas_takes(int64_t ld, int64_t row_length) { return ld >= std::max<int64_t>(1, row_length); }
+
+template <typename T>
+const T* compact_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, int slot) {
+  thread_local std::vector<T> scratch[2];
+  std::vector<T>& buffer = scratch[slot];
+  if (static_cast<int64_t>(buffer.size()) < rows * cols) buffer.resize(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(buffer.data() + r * cols, src + r * ld, cols * sizeof(T));
+  return buffer.data();
+}
+
 template <typename T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulate_t<T> alpha, const T* A,
           int64_t lda, const T* B, int64_t ldb, accumulate_t<T> beta, accumulate_t<T>* C, int64_t ldc) {
@@ -264,6 +283,14 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, accumulat
   if ((trans_a ? K : M) == 1) lda = trans_a ? M : K;
   if ((trans_b ? N : K) == 1) ldb = trans_b ? K : N;
   if (M == 1) ldc = N;
+  if (!blas_takes(lda, trans_a ? M : K)) {
+    A = compact_rows(A, lda, trans_a ? K : M, trans_a ? M : K, 0);
+    lda = trans_a ? M : K;
+  }
+  if (!blas_takes(ldb, trans_b ? K : N)) {
+    B = compact_rows(B, ldb, trans_b ? N : K, trans_b ? K : N, 1);
+    ldb = trans_b ? K : N;
+  }
   const Library& lib = library();
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
     const fortran_gemm_fn<T> fn = std::is_same_v<T, float> ? reinterpret_cast<fortran_gemm_fn<T>>(lib.sgemm)
@@ -392,6 +419,10 @@ void packed_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const
   }
 #endif
 #if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+  if (!blas_takes(lda, K)) {
+    A = compact_rows(A, lda, M, K, 0);
+    lda = K;
+  }
   at::native::cpublas::brgemm(M, N, K, lda, N, ldc, accumulate, A, B_packed, C, /*is_vnni=*/true);
 #else
   TORCH_CHECK(false, "packed tile products are not available in this PyTorch");
