@@ -90,6 +90,35 @@ def test_linear_attention_computes_in_the_autocast_dtype():
     torch.testing.assert_close(step, expected[:, :, 0], atol=1e-2, rtol=1e-2)
 
 
+def test_the_ops_have_autocast_kernels():
+    """Called through the dispatcher (as torch.compile's graphs call them), the ops cast as the
+    public functions do and run their kernels with autocast off."""
+    q = torch.randn(1, 2, 5, 8)
+    with cpu_autocast():
+        out, lse = torch.ops.transformer_fast.attention_forward(q, q, q.to(BF16), None, None, False, 0.3, 0.0, 0,
+                                                                "reference")
+        y, h, _, _ = torch.ops.transformer_fast.layer_norm_forward(q.view(-1, 8).to(BF16), q.view(-1, 8), None, None,
+                                                                   1e-5, False, "reference")
+    assert out.dtype == BF16 and lse.dtype == torch.float32
+    expected = reference.scaled_dot_product_attention(*(q.to(BF16).double() for _ in range(3)), scale=0.3)
+    assert max_error(out, expected) < 2e-2
+    assert y.dtype == BF16  # CPU autocast leaves norms alone (the op gets no promotion: the function does that)
+
+
+def test_compiled_function_under_autocast():
+    def f(q, k, v, x, r):
+        return tf.scaled_dot_product_attention(q, k, v, is_causal=True), tf.layer_norm(x, (8,), residual=r)
+
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    x, r = torch.randn(4, 8).to(BF16), torch.randn(4, 8)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with cpu_autocast():
+        expected, got = f(q, k, v, x, r), compiled(q, k, v, x, r)
+    assert got[0].dtype == expected[0].dtype == BF16 and got[1][1].dtype == torch.float32
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1][0], expected[1][0], atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole models
 # ----------------------------------------------------------------------------------------------
