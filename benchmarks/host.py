@@ -15,6 +15,7 @@ reported.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +151,17 @@ def _forward_backward(fn, inputs, upstream):
     return call
 
 
+def _per_call_s(fn, calls=200):
+    """The mean time of a call after a warm-up: sizes the samples (one first call, slowed by
+    first-use costs, would make them too short)."""
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
 def run(args):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -173,7 +185,8 @@ def _run(args):
                 continue
             make = _forward if pass_ == "forward" else lambda f, i: _forward_backward(f, i, upstream)
             fns = {"torch": make(theirs, inputs), "ours": make(ours, inputs)}
-            times = measure.time_interleaved(fns, CPU, max_repeats=args.repeats, min_repeats=args.min_repeats,
+            times = measure.time_interleaved(fns, CPU, first_call_s={k: _per_call_s(fn) for k, fn in fns.items()},
+                                             max_repeats=args.repeats, min_repeats=args.min_repeats,
                                              budget_s=args.budget, min_sample_s=min_sample_s, keep_samples=True)
             t_us, o_us = times["torch"]["median_ms"] * 1e3, times["ours"]["median_ms"] * 1e3
             extra = statistics.median(o - t for o, t in zip(times["ours"]["samples_ms"], times["torch"]["samples_ms"]))
