@@ -86,7 +86,8 @@ def _pair(cls, config, dtype, device):
     ref = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
     ours = cls._from_config(copy.deepcopy(config), attn_implementation="transformer_fast")
     ours.load_state_dict(ref.state_dict())
-    convert(ours)
+    _, replaced = convert(ours, return_report=True)
+    ours.converted = sorted({r.old.__name__ for r in replaced})
     exact = copy.deepcopy(ref).double()
     weights = dtype if device.type == "cpu" else torch.float32  # CUDA: autocast
     return ref.to(device=device, dtype=weights), ours.to(device=device, dtype=weights), exact
@@ -368,6 +369,7 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
         print(f"{label} WRONG: error {err:.3g} > bound {bound:.3g}", flush=True)
         return {**row, "status": "wrong"}
     ref, ours = case["models"]
+    row["converted"] = getattr(ours, "converted", None)
     fns = {"sdpa": case["make"](ref), "ours": case["make"](ours)}
     first = {k: measure.time_once(fn, device) for k, fn in fns.items()}  # warm-up, and the sample size
     if precision == "float32":
@@ -397,7 +399,7 @@ def markdown(result):
 
     lines = header_block(result)
     body = result["result"]
-    lines += [f"Sizes: `{body['preset']}` preset; measured matrix-product rate: "
+    lines += [f"Threads: {result.get('threads')}. Sizes: `{body['preset']}` preset; measured matrix-product rate: "
               + ", ".join(f"{d} {r:.1f} GFLOP/s" for d, r in body["matmul_gflops"].items()) + ".", ""]
     for family, p in body["sizes"].items():
         lines.append(f"- {family}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
@@ -423,5 +425,8 @@ def markdown(result):
             notes.append(f"- llama {r['case']}, B={r['batch']}, {r['precision']}: "
                          f"{100 * r['same_greedy_tokens']:.0f}% of the greedy tokens equal the sdpa model's")
     sizes = sorted({(r["model"], r["size"]) for r in body["rows"] if "size" in r})
-    lines += ["", "Models:", ""] + [f"- {m}: {s}" for m, s in sizes] + ([""] + notes if notes else [])
+    converted = sorted({(r["model"], ", ".join(r["converted"]) or "nothing") for r in body["rows"]
+                        if r.get("converted") is not None})
+    lines += ["", "Models:", ""] + [f"- {m}: {s}" for m, s in sizes]
+    lines += [""] + [f"- {m}: `convert` replaced {what}" for m, what in converted] + ([""] + notes if notes else [])
     return "\n".join(lines) + "\n"

@@ -93,16 +93,16 @@ def _cpu_rows(latest, prefix, name):
 def _host_rows(entry, prefix):
     got = [r for r in entry["data"]["rows"] if r["status"] == "ok"]
     rows = []
-    for pass_, what, figure in (("forward", "forward without grad (target: at most torch + 2 us)",
+    for pass_, what, figure in (("forward", "forward without grad, ours - torch (target: at most +2 us)",
                                  lambda r: f"{r['extra_us']:+.0f} us"),
-                                ("fwd+bwd", "forward+backward (target: at most 1.1x torch)",
+                                ("fwd+bwd", "forward+backward, ours / torch (target: at most 1.1x)",
                                  lambda r: f"{1 / r['ratio']:.2f}x")):
         mine = [r for r in got if r["pass"] == pass_]
         if not mine:
             continue
         met = sum(r["met"] for r in mine)
         rows.append([f"host cost per call, one thread, tiny tensors, {what}",
-                     f"ours - torch per function: " + ", ".join(f"{r['function']} {figure(r)}" for r in mine)
+                     ", ".join(f"{r['function']} {figure(r)}" for r in mine)
                      + f"; {met} of {len(mine)} meet the target", _day(entry["created"]), _link(entry["file"], prefix)])
     return rows
 
@@ -119,9 +119,9 @@ def _models_rows(entry, prefix):
         shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x "
                            f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%)"
                            for x in same)
-        rows.append([f"{r['model']} {r['case']}, {r['precision']} ({r['size']}; `{entry['data']['preset']}` sizes)",
-                     f"{shapes} the same model on `sdpa` (batch x length: ratio (attention + norm share of the "
-                     f"sdpa model's time))", _day(entry["created"]), _link(entry["file"], prefix)])
+        rows.append([f"{r['model']} {r['case']} against the same model on `sdpa`, {r['precision']} ({r['size']}; "
+                     f"`{entry['data']['preset']}` sizes): per batch x length, the ratio (the share of attention + "
+                     f"norms in the sdpa model's time)", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
     return rows
 
 

@@ -324,6 +324,7 @@ def test_models_suite_checks_and_times_each_model(harness):
                              ("encdec", "train step", 1)}
         assert rows[("llama", "generate 4 tokens", 2)]["tokens"] == 2 * 4
         assert 0 <= rows[("llama", "generate 4 tokens", 1)]["same_greedy_tokens"] <= 1
+        assert rows[("bert", "forward", 2)]["converted"] == ["LayerNorm"]  # convert swapped BERT's norms
     for r in body["rows"]:
         if r["status"] == "skipped":
             continue
