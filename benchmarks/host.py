@@ -211,7 +211,8 @@ def markdown(result):
     lines += [f"Host cost per call, one thread, float32. Targets: forward without grad at most torch + "
               f"{FORWARD_EXTRA_US:g} us; forward+backward at most {BACKWARD_RATIO:g}x torch. `extra` and "
               f"`ours / torch` are medians over interleaved rounds of the paired figures.", "",
-              "| function | shape | pass | torch us | ours us | extra us | ours / torch | target | check error / bound |",
+              "| function | shape | pass | torch us | ours us | extra us | ours / torch | target "
+              "| check error / bound |",
               "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for r in body["rows"]:
         if r["status"] != "ok":
