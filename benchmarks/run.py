@@ -48,9 +48,13 @@ SUITES = {
     "target_cpu_layer_norm": "fused residual + LayerNorm against torch, 4096 x 1024, and GB/s against a copy",
     "target_cpu_linear_attention": "C++ causal linear attention against PyTorch ones, N=4096; memory; crossover",
     "target_gpu_attention": "Triton attention against torch's FlashAttention backend, bf16/fp16 grid (GPU)",
+    "host": "host cost per call of each public function on tiny tensors, one thread, against torch's",
+    "models": "BERT encoder, Llama-like decoder (training, generate), encoder-decoder: ours against the sdpa model",
     "gpu": "install check, the gpu-marked tests, the sweep and target_gpu_attention on the GPU, results index",
 }
-TARGETS = ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention", "target_gpu_attention")
+# the suites that run_target runs (each writes its own result file)
+TARGETS = ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention", "target_gpu_attention",
+           "host", "models")
 __doc__ = __doc__.format(suites="\n".join(f"  {name:<28} {text}" for name, text in SUITES.items()))
 # --smoke: sizes small enough to check that a suite runs end to end in seconds (not measurements)
 SMOKE = {"seq_lens": [16, 32], "batch": 1, "heads": 2, "head_dim": 16, "repeats": 2, "min_repeats": 2, "budget": 0.0,
@@ -312,9 +316,14 @@ def run_target(suite, args):
 
     import transformer_fast
 
-    from . import measure, report, target_gpu, targets
+    from . import host, measure, models, report, target_gpu, targets
 
-    device = torch.device("cuda" if suite == "target_gpu_attention" else "cpu")
+    runners = {**targets.SUITES, "target_gpu_attention": target_gpu.run, "host": host.run, "models": models.run}
+    markdowns = {"target_gpu_attention": target_gpu.markdown, "host": host.markdown, "models": models.markdown}
+    if suite == "models":
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        device = torch.device("cuda" if suite == "target_gpu_attention" else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"benchmark: {suite} needs a CUDA GPU; skipped", file=sys.stderr)
         return 1
@@ -326,7 +335,7 @@ def run_target(suite, args):
     load_start = _load_average()
     print(f"{suite} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     backends = transformer_fast.available_backends()
-    body = (target_gpu.run if suite == "target_gpu_attention" else targets.SUITES[suite])(args)
+    body = runners[suite](args)
     result = {
         "schema_version": 1, "suite": suite, "smoke": args.smoke,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -338,8 +347,7 @@ def run_target(suite, args):
     }
     stem = f"{args.name}-{suite}" if args.name else \
         f"{result['device']['slug']}-{suite}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
-    markdown = target_gpu.markdown if suite == "target_gpu_attention" else targets.markdown
-    paths = report.write_suite(result, args.out, stem, markdown)
+    paths = report.write_suite(result, args.out, stem, markdowns.get(suite, targets.markdown))
     print("wrote " + ", ".join(os.path.relpath(p) for p in paths), flush=True)
     rows = body.get("rows") or body.get("results") or [body]
     wrong = [r for r in rows if r.get("status") == "wrong"]

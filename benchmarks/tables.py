@@ -16,6 +16,8 @@ SUITE_TEXT = {
     "target_cpu_linear_attention": "CPU linear attention target",
     "target_gpu_attention": "GPU attention against torch's FlashAttention backend",
     "gpu": "gpu suite: install check and gpu tests",
+    "host": "host cost per call of each public function, one thread, tiny tensors",
+    "models": "whole models (BERT, Llama-like decoder, encoder-decoder) against the same model on sdpa",
 }
 
 
@@ -81,6 +83,45 @@ def _cpu_rows(latest, prefix, name):
                      _day(entry["created"]), _link(entry["file"], prefix)])
     for entry in latest.get((name, "sweep", ""), [])[:1]:
         rows += _sweep_rows(entry, prefix, cpu=True)
+    for entry in latest.get((name, "host", ""), [])[:1]:
+        rows += _host_rows(entry, prefix)
+    for entry in latest.get((name, "models", ""), [])[:1]:
+        rows += _models_rows(entry, prefix)
+    return rows
+
+
+def _host_rows(entry, prefix):
+    got = [r for r in entry["data"]["rows"] if r["status"] == "ok"]
+    rows = []
+    for pass_, what, figure in (("forward", "forward without grad, ours - torch (target: at most +2 us)",
+                                 lambda r: f"{r['extra_us']:+.0f} us"),
+                                ("fwd+bwd", "forward+backward, ours / torch (target: at most 1.1x)",
+                                 lambda r: f"{1 / r['ratio']:.2f}x")):
+        mine = [r for r in got if r["pass"] == pass_]
+        if not mine:
+            continue
+        met = sum(r["met"] for r in mine)
+        rows.append([f"host cost per call, one thread, tiny tensors, {what}",
+                     ", ".join(f"{r['function']} {figure(r)}" for r in mine)
+                     + f"; {met} of {len(mine)} meet the target", _day(entry["created"]), _link(entry["file"], prefix)])
+    return rows
+
+
+def _models_rows(entry, prefix):
+    rows, done = [], set()
+    got = [r for r in entry["data"]["rows"] if r["status"] == "ok"]
+    for r in got:
+        key = (r["model"], r["case"], r["precision"])
+        if key in done:
+            continue
+        done.add(key)
+        same = [x for x in got if (x["model"], x["case"], x["precision"]) == key]
+        shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x "
+                           f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%)"
+                           for x in same)
+        rows.append([f"{r['model']} {r['case']} against the same model on `sdpa`, {r['precision']} ({r['size']}; "
+                     f"`{entry['data']['preset']}` sizes): per batch x length, the ratio (the share of attention + "
+                     f"norms in the sdpa model's time)", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
     return rows
 
 

@@ -33,7 +33,7 @@ def _bench(*args, timeout=600):
 
 
 CPU_SUITES = ("attention", "layer_norm", "train_step", "target_cpu_attention", "target_cpu_layer_norm",
-              "target_cpu_linear_attention")
+              "target_cpu_linear_attention", "host", "models")
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +252,151 @@ def test_cpu_target_suites_write_their_results(harness):
                                                                                                   "non-causal"}
     # smoke runs never count as results
     assert summary.load_all(str(out)) == []
+
+
+HOST_FUNCTIONS = ("scaled_dot_product_attention", "scaled_dot_product_attention causal",
+                  "scaled_dot_product_attention key_padding_mask", "layer_norm", "layer_norm residual", "rms_norm",
+                  "linear_attention", "linear_attention causal", "linear_attention_step")
+
+
+def test_host_suite_times_every_public_function(harness):
+    out, _, _ = harness
+    result = json.loads((out / "smoke-host.json").read_text())
+    assert result["suite"] == "host" and result["result"]["threads"] == 1
+    rows = result["result"]["rows"]
+    assert [(r["function"], r["pass"]) for r in rows] == [(f, p) for f in HOST_FUNCTIONS for p in ("forward",
+                                                                                                      "fwd+bwd")]
+    for r in rows:
+        assert r["status"] == "ok" and r["max_error"] <= r["error_bound"], r
+        assert r["torch_us"] > 0 and r["ours_us"] > 0 and r["ratio"] > 0 and isinstance(r["met"], bool)
+        assert r["calls_per_sample"] >= 1 and r["rounds"] >= 2
+    md = (out / "smoke-host.md").read_text()
+    assert md.startswith("# host:") and "| layer_norm residual |" in md and "rows meet their target" in md
+
+
+def test_host_check_catches_a_wrong_function():
+    import torch.nn.functional as F
+
+    from benchmarks import host
+
+    x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
+    from transformer_fast import reference
+
+    def exact(x_, w_, b_):
+        return reference.layer_norm(x_, (64,), w_, b_)
+
+    def plain(x_, w_, b_):
+        return F.layer_norm(x_, (64,), w_, b_)
+
+    assert host.check(plain, plain, exact, (x, w, b))[0]
+    ok, err, bound, note = host.check(lambda *a: plain(*a) * 1.01, plain, exact, (x, w, b))
+    assert not ok and err > bound and "output 0" in note
+
+    class WrongGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.01
+
+    ok, _, _, note = host.check(lambda x_, w_, b_: plain(WrongGrad.apply(x_), w_, b_), plain, exact, (x, w, b))
+    assert not ok and note.startswith("grad 0")
+
+
+def test_models_suite_checks_and_times_each_model(harness):
+    out, _, _ = harness
+    result = json.loads((out / "smoke-models.json").read_text())
+    body = result["result"]
+    assert result["suite"] == "models" and body["preset"] == "smoke" and body["dtypes"] == ["float32"]
+    rows = {(r["model"], r.get("case"), r.get("batch")): r for r in body["rows"]}
+    encdec = rows[("encdec", "train step", 1)]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the Hugging Face models are skipped with the reason; the encoder-decoder still runs
+        skipped = [r for r in body["rows"] if r["status"] == "skipped"]
+        assert {r["model"] for r in skipped} == {"bert", "llama"}
+        assert all("transformers is not installed" in r["note"] for r in skipped)
+    else:
+        assert set(rows) == {("bert", "forward", 2), ("bert", "train step", 2), ("llama", "train step", 2),
+                             ("llama", "generate 4 tokens", 1), ("llama", "generate 4 tokens", 2),
+                             ("encdec", "train step", 1)}
+        assert rows[("llama", "generate 4 tokens", 2)]["tokens"] == 2 * 4
+        assert 0 <= rows[("llama", "generate 4 tokens", 1)]["same_greedy_tokens"] <= 1
+        assert rows[("bert", "forward", 2)]["converted"] == ["LayerNorm"]  # convert swapped BERT's norms
+    for r in body["rows"]:
+        if r["status"] == "skipped":
+            continue
+        assert r["status"] == "ok" and r["max_error"] <= r["error_bound"], r
+        assert r["sdpa_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 and r["tokens_per_s_ours"] > 0
+        assert 0 < r["share_attention"] < 1 and 0 < r["share_norms"] < 1, r
+        assert r["target_ratio"] == (1.15 if r["share_attention"] + r["share_norms"] >= 0.4 else 1.0)
+    assert encdec["status"] == "ok"
+    md = (out / "smoke-models.md").read_text()
+    assert md.startswith("# models:") and "| encdec | train step | 1 | 8 | float32 |" in md
+
+
+def test_time_shares_attribute_forward_and_backward():
+    """Attention by operator, a norm module by its forward scope and the backward of what it ran
+    (matched by autograd sequence number). Sleeps make the expected shares hold on a busy machine:
+    the norm's backward sleeps 50 ms, the model 20 ms outside both."""
+    import time
+
+    from benchmarks import models
+
+    class SlowGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.05)
+            return g * 2
+
+    class SlowLayerNorm(torch.nn.Module):
+        def forward(self, x):
+            return SlowGrad.apply(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = SlowLayerNorm()
+
+        def forward(self, x):
+            time.sleep(0.02)
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x) + self.norm(x)
+
+    model = Block()
+    x = torch.randn(1, 2, 256, 64, requires_grad=True)
+
+    def forward_only():
+        with torch.no_grad():
+            model(x)
+
+    def train():
+        model(x).sum().backward()
+
+    fwd, both = models.time_shares(model, forward_only), models.time_shares(model, train)
+    assert 0 < fwd["attention"] < 0.9 and 0 <= fwd["norms"] < 0.2, fwd
+    assert 0 < both["attention"] < 0.7 and 0.25 < both["norms"] < 0.9, both  # the backward's sleep is the norm's
+    assert both["attention"] + both["norms"] < 0.9  # the 20 ms outside is neither
+
+
+def test_model_output_check_bound():
+    from benchmarks import models
+
+    exact = torch.randn(2, 5, 7, dtype=torch.float64)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[1, 3:] = False
+    ref = exact.float()
+    assert models._compare(ref, ref, exact, valid, torch.float32)[0]
+    assert not models._compare(ref * 1.01, ref, exact, valid, torch.float32)[0]
+    wrong_padding = ref.clone()
+    wrong_padding[1, 4] += 1.0  # a padded position: not compared
+    assert models._compare(wrong_padding, ref, exact, valid, torch.float32)[0]
+    assert not models._compare(torch.full_like(ref, float("nan")), ref, exact, valid, torch.float32)[0]
 
 
 def test_install_check_runs_every_family_against_the_reference():

@@ -1,0 +1,434 @@
+"""The `models` suite: whole models, ours against the same model on PyTorch's attention.
+
+  bert     a BERT encoder (Hugging Face `BertModel` / `BertForSequenceClassification`, random
+           weights from a config): forward without grad, and one AdamW training step with
+           cross-entropy on random labels; right padding (the rows have different lengths)
+  llama    a Llama-like decoder (`LlamaForCausalLM`: grouped-query attention, RoPE, causal): one
+           training step (next-token loss, right padding, padded labels ignored), and greedy
+           `generate` with the KV cache, in generated tokens per second
+  encdec   the encoder-decoder training step of the sweep (`train_step`): our
+           `models.Seq2SeqTransformer` against `nn.Transformer` of the same size
+
+Ours is the same model (same weights) built with `attn_implementation="transformer_fast"` and
+passed through `transformer_fast.convert` (which swaps `nn.LayerNorm`/`nn.RMSNorm`); the
+baseline uses `attn_implementation="sdpa"`. CPU: float32 and bfloat16 weights; CUDA: float32
+weights under bfloat16 autocast. Dropout is 0 in both, so that both do the same work.
+
+Checked first: the output (BERT's last hidden state, the models' logits) of ours and of the sdpa
+model on the first rows against the same model in float64; ours may be off by at most 2x the sdpa
+model's error plus a floor of `cases.CHECK_RTOL` x max(1, |float64|), on the unpadded positions.
+Generation also records how many greedy tokens ours shares with the sdpa model's.
+
+Where the time goes: one step of the baseline under `torch.profiler`; the share of the step in
+attention (`aten::scaled_dot_product_attention` and its backward) and in normalisation modules
+(every module whose class is named ...LayerNorm or ...RMSNorm, forward and the backward of the
+operations it ran, matched by autograd sequence number).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from . import cases, measure
+
+# Sizes: "full" is the size the performance targets name; "quick" (the CPU default) keeps the
+# widths and sequence lengths but fewer layers and rows, so that the suite takes minutes on 2 cores.
+PRESETS = {
+    "full": {"bert": {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "vocab": 30522,
+                      "shapes": [(32, 128), (8, 512)]},
+             "llama": {"hidden": 1024, "layers": 4, "heads": 8, "kv_heads": 2, "ffn": 2816, "vocab": 32000,
+                       "train_shapes": [(8, 512), (2, 2048)], "gen_batches": [1, 8], "prompt": 32,
+                       "new_tokens": 256},
+             "encdec": {"d_model": 256, "heads": 4, "layers": 2, "vocab": 1000, "shape": (8, 512)}},
+    "quick": {"bert": {"hidden": 768, "layers": 2, "heads": 12, "ffn": 3072, "vocab": 30522,
+                       "shapes": [(4, 128), (1, 512)]},
+              "llama": {"hidden": 512, "layers": 2, "heads": 8, "kv_heads": 2, "ffn": 1408, "vocab": 8192,
+                        "train_shapes": [(2, 512), (1, 2048)], "gen_batches": [1, 8], "prompt": 32,
+                        "new_tokens": 256},
+              "encdec": {"d_model": 256, "heads": 4, "layers": 2, "vocab": 1000, "shape": (1, 256)}},
+    "smoke": {"bert": {"hidden": 32, "layers": 1, "heads": 2, "ffn": 64, "vocab": 100, "shapes": [(2, 16)]},
+              "llama": {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 100,
+                        "train_shapes": [(2, 16)], "gen_batches": [1, 2], "prompt": 4, "new_tokens": 4},
+              "encdec": {"d_model": 16, "heads": 2, "layers": 1, "vocab": 11, "shape": (1, 8)}},
+}
+CHECK_ROWS = 2
+ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
+NORM_SCOPE = "models::norm"
+
+
+class Skip(Exception):
+    """A case that cannot run here, with the reason."""
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face models
+# --------------------------------------------------------------------------------------------
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise Skip(f"transformers is not installed ({exc}); pip install transformers") from exc
+    from transformer_fast.integrations import huggingface
+
+    huggingface.register()
+    return transformers
+
+
+def _pair(cls, config, dtype, device):
+    """(sdpa model, ours, float64 oracle): the same weights; ours converted."""
+    from transformer_fast import convert
+
+    torch.manual_seed(0)
+    ref = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation="transformer_fast")
+    ours.load_state_dict(ref.state_dict())
+    _, replaced = convert(ours, return_report=True)
+    ours.converted = sorted({r.old.__name__ for r in replaced})
+    exact = copy.deepcopy(ref).double()
+    weights = dtype if device.type == "cpu" else torch.float32  # CUDA: autocast
+    return ref.to(device=device, dtype=weights), ours.to(device=device, dtype=weights), exact
+
+
+def _padded_batch(batch, length, vocab, g, device):
+    """Random tokens 1 .. vocab-1 and a right-padding mask: row 0 is full, the others have random
+    lengths from length/2 up."""
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return (ids * mask).to(device), mask.to(device)
+
+
+def _compare(ours, ref, exact, valid, dtype):
+    """(ok, our error, bound): on the valid positions, ours against float64 within 2x the sdpa
+    model's error + the floor."""
+    exact = exact.double()[valid]
+    err = (ours.double()[valid] - exact).abs().max().item()
+    ref_err = (ref.double()[valid] - exact).abs().max().item()
+    bound = 2 * ref_err + cases.CHECK_RTOL[dtype] * max(1.0, exact.abs().max().item())
+    return bool(torch.isfinite(ours).all()) and err <= bound, err, bound
+
+
+def _autocast(device, dtype):
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _check_outputs(run_model, models, inputs, mask, dtype, device):
+    """Runs `run_model(model, inputs, mask)` (eval, no grad) on the first rows of each model."""
+    ref, ours, exact = models
+    rows = slice(0, CHECK_ROWS)
+    small = [t[rows] for t in inputs]
+    outs = []
+    for model in (ours, ref):
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), _autocast(device, dtype):
+            outs.append(run_model(model, small, mask[rows]).float().cpu())
+        model.train(was_training)
+    exact.eval()
+    with torch.no_grad():
+        oracle = run_model(exact, [t.cpu() for t in small], mask[rows].cpu())
+    return _compare(outs[0], outs[1], oracle, mask[rows].cpu().bool(), dtype)
+
+
+def _train_step(model, inputs, device, dtype):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(device, dtype):
+            loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def bert_cases(p, dtype, device, g):
+    tr = _transformers()
+    config = tr.BertConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+                           num_attention_heads=p["heads"], intermediate_size=p["ffn"],
+                           max_position_embeddings=max(512, max(n for _, n in p["shapes"])),
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)
+    size = f"hidden {p['hidden']}, {p['layers']} layers, {p['heads']} heads, ffn {p['ffn']}"
+    for batch, length in p["shapes"]:
+        ids, mask = _padded_batch(batch, length, p["vocab"], g, device)
+        models = _pair(tr.BertModel, config, dtype, device)
+        hidden = lambda m, inp, msk: m(input_ids=inp[0], attention_mask=msk).last_hidden_state  # noqa: E731
+        check = (lambda models=models, ids=ids, mask=mask:
+                 _check_outputs(hidden, models, [ids], mask, dtype, device))
+
+        def forward(model, ids=ids, mask=mask):
+            model.eval()
+
+            def call():
+                with torch.no_grad(), _autocast(device, dtype):
+                    model(input_ids=ids, attention_mask=mask)
+            return call
+        yield {"model": "bert", "case": "forward", "size": size, "batch": batch, "length": length,
+               "tokens": batch * length, "models": models[:2], "make": forward, "check": check}
+        del models
+        labels = torch.randint(0, 2, (batch,), generator=g).to(device)
+        models = _pair(tr.BertForSequenceClassification, config, dtype, device)
+        logits = lambda m, inp, msk: m(input_ids=inp[0], attention_mask=msk).logits[:, None, :]  # noqa: E731
+        check = (lambda models=models, ids=ids, mask=mask:
+                 _check_outputs(logits, models, [ids], mask[:, :1], dtype, device))
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        yield {"model": "bert", "case": "train step", "size": size, "batch": batch, "length": length,
+               "tokens": batch * length, "models": models[:2], "check": check,
+               "make": lambda model, inputs=inputs: _train_step(model, inputs, device, dtype)}
+
+
+def _llama_config(tr, p):
+    return tr.LlamaConfig(vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=p["ffn"],
+                          num_hidden_layers=p["layers"], num_attention_heads=p["heads"],
+                          num_key_value_heads=p["kv_heads"], max_position_embeddings=4096, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=None, tie_word_embeddings=False, attention_dropout=0.0)
+
+
+def llama_cases(p, dtype, device, g):
+    tr = _transformers()
+    config = _llama_config(tr, p)
+    size = (f"hidden {p['hidden']}, {p['layers']} layers, {p['heads']} heads / {p['kv_heads']} kv heads, "
+            f"ffn {p['ffn']}, vocab {p['vocab']}")
+    logits = lambda m, inp, msk: m(input_ids=inp[0], attention_mask=msk).logits  # noqa: E731
+    for batch, length in p["train_shapes"]:
+        ids, mask = _padded_batch(batch, length, p["vocab"], g, device)
+        models = _pair(tr.LlamaForCausalLM, config, dtype, device)
+        check = (lambda models=models, ids=ids, mask=mask:
+                 _check_outputs(logits, models, [ids], mask, dtype, device))
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        yield {"model": "llama", "case": "train step", "size": size, "batch": batch, "length": length,
+               "tokens": batch * length, "models": models[:2], "check": check,
+               "make": lambda model, inputs=inputs: _train_step(model, inputs, device, dtype)}
+        del models
+    models = _pair(tr.LlamaForCausalLM, config, dtype, device)
+    new = p["new_tokens"]
+    for batch in p["gen_batches"]:
+        ids = torch.randint(1, p["vocab"], (batch, p["prompt"]), generator=g).to(device)
+        mask = torch.ones_like(ids)
+        check = (lambda ids=ids, mask=mask: _check_outputs(logits, models, [ids], mask, dtype, device))
+
+        def generate(model, ids=ids, mask=mask):
+            model.eval()
+
+            def call():
+                with torch.no_grad(), _autocast(device, dtype):
+                    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,
+                                          eos_token_id=None)
+            return call
+        def same_tokens(generate=generate):
+            new_ref, new_ours = (generate(m)()[:, p["prompt"]:] for m in models[:2])
+            return (new_ref == new_ours).float().mean().item()
+        yield {"model": "llama", "case": f"generate {new} tokens", "size": size, "batch": batch,
+               "length": p["prompt"], "tokens": batch * new, "models": models[:2], "check": check,
+               "make": generate, "same_greedy_tokens": same_tokens}
+
+
+def encdec_cases(p, dtype, device, g):
+    batch, length = p["shape"]
+    group = cases.TrainStepGroup(length, {"pass": "train"}, ["torch", "ours_softmax"], dtype, device, batch=batch,
+                                 d_model=p["d_model"], nhead=p["heads"], num_layers=p["layers"],
+                                 dim_feedforward=4 * p["d_model"], vocab=p["vocab"])
+    group.setup()
+    models = (group.model("torch")[0], group.model("ours_softmax")[0])
+    steps = {id(models[0]): group.function("torch"), id(models[1]): group.function("ours_softmax")}
+    yield {"model": "encdec", "case": "train step", "size": group.describe() + " (nn.Transformer vs ours)",
+           "batch": batch, "length": length, "tokens": 2 * batch * length, "models": models,
+           "check": lambda: group.check("ours_softmax")[:3], "make": lambda model: steps[id(model)],
+           "check_note": "logits vs the same model on the reference backend (the sweep's check)"}
+
+
+# --------------------------------------------------------------------------------------------
+# Where the time goes
+# --------------------------------------------------------------------------------------------
+def time_shares(model, fn, calls=1):
+    """{attention, norms}: the fraction of a call of `fn` (profiled) spent in attention and in
+    normalisation modules, forward and backward; the median over `calls` profiled calls (on a shared
+    machine one call may be preempted inside one operation)."""
+    shares = [_time_shares(model, fn) for _ in range(calls)]
+    return {k: statistics.median(s[k] for s in shares) for k in shares[0]}
+
+
+def _time_shares(model, fn):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def enter(module, args):
+        module._models_scope = record_function(NORM_SCOPE)
+        module._models_scope.__enter__()
+
+    def leave(module, args, output):
+        module._models_scope.__exit__(None, None, None)
+
+    handles = []
+    fn()  # warm
+    for m in model.modules():
+        if type(m).__name__.endswith(("LayerNorm", "RMSNorm")):
+            handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with measure._quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("models::call"):
+                fn()
+    finally:
+        for h in handles:
+            h.remove()
+    events = prof.events()
+    total = sum(e.cpu_time_total for e in events if e.name == "models::call")
+    kinds = {"attention": set(), "norms": set()}
+    forward = {"attention": 0.0, "norms": 0.0}
+
+    def scope_of(e):
+        while e is not None:
+            if e.name == NORM_SCOPE:
+                return "norms"
+            if e.name in ATTENTION_OPS:
+                return "attention"
+            e = e.cpu_parent
+        return None
+
+    for e in events:
+        kind = scope_of(e)
+        if kind is None:
+            continue
+        if e.sequence_nr >= 0:
+            kinds[kind].add(e.sequence_nr)
+        if e.name in (NORM_SCOPE, *ATTENTION_OPS) and scope_of(e.cpu_parent) is None:
+            forward[kind] += e.cpu_time_total
+    backward = {k: sum(e.cpu_time_total for e in events if e.name.startswith("autograd::engine::evaluate_function")
+                       and e.sequence_nr in seqs) for k, seqs in kinds.items()}
+    return {k: (forward[k] + backward[k]) / total if total else None for k in forward}
+
+
+# --------------------------------------------------------------------------------------------
+# The suite
+# --------------------------------------------------------------------------------------------
+def _matmul_rates(device):
+    """Measured matrix-product GFLOP/s per dtype (a bf16 model on a CPU without bf16 instructions is
+    much slower than in float32: this says by how much)."""
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(256, 256, device=device, dtype=dtype)
+        t = measure.time_interleaved({"mm": lambda: a @ a}, device, max_repeats=5, min_repeats=3, budget_s=0.3,
+                                     min_sample_s=0.02)["mm"]["median_ms"] / 1e3
+        rates[str(dtype).replace("torch.", "")] = 2 * 256**3 / t / 1e9
+    return rates
+
+
+def run(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    preset = "smoke" if args.smoke else ("full" if args.full or device.type == "cuda" else "quick")
+    sizes = PRESETS[preset]
+    if args.dtype:
+        dtypes = [args.dtype]
+    else:
+        dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
+    rates = _matmul_rates(device)
+    slowdown = {d: rates["float32"] / rates[d] for d in rates}
+    print(f"  sizes: {preset}; matmul GFLOP/s: " + ", ".join(f"{d} {r:.1f}" for d, r in rates.items()), flush=True)
+    rows, fp32_seconds = [], {}
+    families = (("bert", bert_cases), ("llama", llama_cases), ("encdec", encdec_cases))
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        precision = name + (" autocast" if device.type == "cuda" and dtype != torch.float32 else "")
+        for family, make_cases in families:
+            g = torch.Generator().manual_seed(args.seed)
+            try:
+                for case in make_cases(sizes[family], dtype, device, g):
+                    rows.append(_run_case(case, precision, args, device, fp32_seconds, slowdown.get(name, 1.0)))
+            except Skip as exc:
+                rows.append({"model": family, "precision": precision, "status": "skipped", "note": str(exc)})
+                print(f"  {family}: skipped: {exc}", flush=True)
+    return {"preset": preset, "sizes": sizes, "dtypes": dtypes, "matmul_gflops": rates, "rows": rows,
+            "targets": {"never_slower": 1.0, "attention_norm_share": 0.4, "ratio_where_share": 1.15}}
+
+
+def _run_case(case, precision, args, device, fp32_seconds, slowdown):
+    key = (case["model"], case["case"], case["batch"], case["length"])
+    row = {k: case[k] for k in ("model", "case", "size", "batch", "length", "tokens")}
+    row.update(precision=precision, check=case.get("check_note", "output vs float64 (first rows, unpadded)"))
+    label = f"  {case['model']:<6} {case['case']:<19} B={case['batch']:<2} N={case['length']:<5} {precision:<16}"
+    predicted = fp32_seconds.get(key, 0.0) * slowdown
+    if predicted > (args.max_call_seconds or 30.0):
+        print(f"{label} skipped: ~{predicted:.0f} s per call predicted", flush=True)
+        return {**row, "status": "skipped", "max_error": None, "error_bound": None,
+                "note": f"~{predicted:.0f} s per call predicted (float32 time x the measured matmul slowdown "
+                        f"{slowdown:.0f}x) > --max-call-seconds"}
+    ok, err, bound = case["check"]()
+    row.update(max_error=err, error_bound=bound)
+    if "same_greedy_tokens" in case:
+        row["same_greedy_tokens"] = case["same_greedy_tokens"]()
+    if not ok:
+        print(f"{label} WRONG: error {err:.3g} > bound {bound:.3g}", flush=True)
+        return {**row, "status": "wrong"}
+    ref, ours = case["models"]
+    row["converted"] = getattr(ours, "converted", None)
+    fns = {"sdpa": case["make"](ref), "ours": case["make"](ours)}
+    first = {k: measure.time_once(fn, device) for k, fn in fns.items()}  # warm-up, and the sample size
+    if precision == "float32":
+        fp32_seconds[key] = first["sdpa"]
+    times = measure.time_interleaved(fns, device, first_call_s=first, max_repeats=args.repeats,
+                                     min_repeats=args.min_repeats, budget_s=args.budget,
+                                     min_sample_s=args.min_sample_ms / 1e3, keep_samples=True)
+    ratio = measure.paired_ratio(times, "sdpa", "ours")
+    shares = {"attention": None, "norms": None}
+    if device.type == "cpu":  # the profiler's CPU view would not see the CUDA kernels' time
+        shares = time_shares(ref, fns["sdpa"], 3 if first["sdpa"] < 1.0 else 1)
+    share = sum(v for v in shares.values() if v is not None) if shares["attention"] is not None else None
+    target = 1.15 if share is not None and share >= 0.4 else 1.0
+    row.update(status="ok", sdpa_ms=times["sdpa"]["median_ms"], ours_ms=times["ours"]["median_ms"], ratio=ratio,
+               rounds=times["ours"]["samples"], tokens_per_s_sdpa=case["tokens"] / times["sdpa"]["median_ms"] * 1e3,
+               tokens_per_s_ours=case["tokens"] / times["ours"]["median_ms"] * 1e3, share_attention=shares["attention"],
+               share_norms=shares["norms"], target_ratio=target, met=ratio >= target)
+    print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f}  "
+          f"attention+norms {_pct(share)} of the sdpa model", flush=True)
+    return row
+
+
+def _pct(x):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f}%"
+
+
+def markdown(result):
+    from .report import header_block
+
+    lines = header_block(result)
+    body = result["result"]
+    lines += [f"Threads: {result.get('threads')}. Sizes: `{body['preset']}` preset; measured matrix-product rate: "
+              + ", ".join(f"{d} {r:.1f} GFLOP/s" for d, r in body["matmul_gflops"].items()) + ".", ""]
+    for family, p in body["sizes"].items():
+        lines.append(f"- {family}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
+    lines += ["", "Ratio: the sdpa model's time over ours (> 1: ours is faster), median over interleaved rounds. "
+              "Share: the fraction of one profiled call of the sdpa model spent in attention / in normalisation. "
+              "Target: >= 1.0, and >= 1.15 where attention + norms take >= 40%.", "",
+              "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio | attention / norms "
+              "share | target | check error / bound |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|"]
+    notes = []
+    for r in body["rows"]:
+        if r["status"] == "skipped" and "case" not in r:
+            notes.append(f"- {r['model']} ({r['precision']}): skipped: {r['note']}")
+            continue
+        head = f"| {r['model']} | {r['case']} | {r['batch']} | {r['length']} | {r['precision']} |"
+        check = f"{r['max_error']:.1e} / {r['error_bound']:.1e}" if r.get("max_error") is not None else "-"
+        if r["status"] == "ok":
+            lines.append(f"{head} {r['sdpa_ms']:.1f} | {r['ours_ms']:.1f} | {r['tokens_per_s_ours']:.0f} | "
+                         f"{r['ratio']:.2f} | {_pct(r['share_attention'])} / {_pct(r['share_norms'])} | "
+                         f">= {r['target_ratio']:.2f}: {'met' if r['met'] else '**missed**'} | {check} |")
+        else:
+            lines.append(f"{head} | | | {r['status'].upper()} | | {r.get('note', '')} | {check} |")
+        if "same_greedy_tokens" in r:
+            notes.append(f"- llama {r['case']}, B={r['batch']}, {r['precision']}: "
+                         f"{100 * r['same_greedy_tokens']:.0f}% of the greedy tokens equal the sdpa model's")
+    sizes = sorted({(r["model"], r["size"]) for r in body["rows"] if "size" in r})
+    converted = sorted({(r["model"], ", ".join(r["converted"]) or "nothing") for r in body["rows"]
+                        if r.get("converted") is not None})
+    lines += ["", "Models:", ""] + [f"- {m}: {s}" for m, s in sizes]
+    lines += [""] + [f"- {m}: `convert` replaced {what}" for m, what in converted] + ([""] + notes if notes else [])
+    return "\n".join(lines) + "\n"
