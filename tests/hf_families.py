@@ -44,7 +44,7 @@ _SIZES = {
         "num_experts_per_tok", "moe_topk", "num_shared_experts", "n_shared_experts"),
     1: ("n_group", "topk_group", "first_k_dense_replace"),
     8: ("head_dim", "kv_channels", "attention_head_dim", "d_kv", "qk_rope_head_dim", "qk_nope_head_dim",
-        "v_head_dim"),
+        "v_head_dim", "rotary_dim"),
     16: ("q_lora_rank", "kv_lora_rank"),
     64: ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
          "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size"),
@@ -53,7 +53,7 @@ _SIZES = {
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                  "num_decoder_layers")
 SIZES = {name: value for value, names in _SIZES.items() for name in names}
-PROFILES = ((), _SIZES[8] + _SIZES[1])
+PROFILES = (((), False), (_SIZES[8] + _SIZES[1], False), ((), True))  # (sizes kept, rotary sections set)
 _DROPOUT = re.compile(r"dropout|_pdrop$|drop_rate|layerdrop|drop_path")
 _FIXED_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 2}  # others 3
 
@@ -88,7 +88,7 @@ def _overrides(values: dict, keep=()) -> dict:
     return out
 
 
-def _small(config, keep=()):
+def _small(config, keep=(), mrope=False):
     """A copy of ``config`` shrunk (sub-configs too), rebuilt through its class so that attributes
     derived in ``__init__`` follow."""
     values = config.to_dict()
@@ -101,10 +101,16 @@ def _small(config, keep=()):
             if isinstance(value, list) and len(value) == old and name not in overrides:
                 overrides[name] = value[:new - 1] + value[-1:]
     values.update(overrides)
+    if "kv_lora_rank" in values:  # multi-head latent attention: as many key/value heads as query heads
+        values["num_key_value_heads"] = values.get("num_attention_heads")
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+    if mrope and isinstance(values.get("rope_parameters"), dict):  # rotary sections over head size 8
+        values["rope_parameters"] = dict(values["rope_parameters"], mrope_section=[2, 1, 1])
     for key in getattr(type(config), "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            values[key] = _small(sub, keep)
+            values[key] = _small(sub, keep, mrope)
     for key in ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"):
         values.pop(key, None)
     return type(config)(**values)
@@ -112,9 +118,11 @@ def _small(config, keep=()):
 
 def small_config(family: str, profile: int = 0):
     """``family``'s default config shrunk; ``profile`` 1 keeps the head sizes (which rotary
-    sections or state-space heads may have to divide) and expert groups as they are."""
+    sections or state-space heads may have to divide) and expert groups as they are, 2 sets
+    multimodal rotary sections to fit head size 8."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    return _small(CONFIG_MAPPING[family](), PROFILES[profile])
+    keep, mrope = PROFILES[profile]
+    return _small(CONFIG_MAPPING[family](), keep, mrope)
 
 
 def base_model_class(family: str):

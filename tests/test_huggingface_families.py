@@ -1,6 +1,6 @@
 """attn_implementation="transformer_fast" over the model families transformers ships (tests/hf_families.py):
-each family served matches sdpa (or eager) in outputs and gradients on a padded batch, each family
-whose attention does not go through AttentionInterface is refused with a clear ValueError. A
+each family served matches sdpa in outputs and gradients on a padded batch, each family it cannot
+serve (no sdpa, or attention outside AttentionInterface) is refused with a clear ValueError. A
 representative subset runs here; the whole sweep is marked slow (docs/huggingface_families.md
 records its last result)."""
 import pytest
@@ -14,6 +14,8 @@ SERVED = [
     "bert", "roberta", "electra", "distilbert", "modernbert",
     # decoder-only; mistral, qwen2 and qwen3 with grouped-query attention (4 query heads, 2 key/value heads)
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "opt", "gemma3_text",
+    # multi-head latent attention (query/key head size 16, value head size 8)
+    "deepseek_v3",
     # encoder-decoder; t5 with its relative position bias as a float mask
     "bart", "t5", "m2m_100",
 ]
