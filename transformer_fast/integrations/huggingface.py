@@ -115,7 +115,7 @@ def _install_construction_check(name):
     # for each sub-model by set_attn_implementation); older ones in _check_and_adjust_attn_implementation.
     for method in ("get_correct_attn_implementation", "_check_and_adjust_attn_implementation"):
         choose = PreTrainedModel.__dict__.get(method)
-        if not inspect.isfunction(choose) and not hasattr(choose, "_transformer_fast_names"):
+        if not inspect.isfunction(choose):  # absent, or not a plain method in this version
             continue
         names = getattr(choose, "_transformer_fast_names", None)
         if names is None:
@@ -164,8 +164,8 @@ def register(name: str = NAME):
                           "(pip install transformers)") from exc
     AttentionInterface.register(name, attention_forward)
     if not _install_construction_check(name):
-        warnings.warn(f"this transformers version offers no place to check models at construction: models whose "
-                      f"attention does not go through AttentionInterface are not refused by {name!r}; see "
+        warnings.warn(f"this transformers version offers no place to check models when they are built: {name!r} "
+                      f"does not refuse the models it cannot serve; check them with "
                       f"transformer_fast.integrations.huggingface.supports_model", stacklevel=2)
     try:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
