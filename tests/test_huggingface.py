@@ -143,8 +143,10 @@ def test_set_attn_implementation_on_an_existing_model():
 
 def test_unsupported_options_raise():
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="softcap"):
+    with pytest.raises(ValueError, match="Module: .*does not support softcap"):
         tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="does not support s_aux"):
+        tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
 
 
 def test_importing_transformer_fast_does_not_import_transformers():
@@ -171,3 +173,85 @@ def test_llama_grouped_query_attention_with_left_padding(count_kernel_calls):
     kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1)
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+# Models whose attention does not go through AttentionInterface would run their own attention code
+# on the masks built for transformer_fast (bool, or None for "causal") and misread them: BLOOM and
+# XGLM lost the causal mask, ConvBERT and MPNet ignored padding, Falcon failed with a KeyError.
+def tiny_bloom_config():
+    return transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
+
+
+@pytest.mark.parametrize("model_cls, config, instead", [
+    ("BloomModel", tiny_bloom_config, "eager"),
+    ("XGLMModel", lambda: transformers.XGLMConfig(vocab_size=64, d_model=16, num_layers=1, attention_heads=2,
+                                                  ffn_dim=32), "eager"),
+    ("MPNetModel", lambda: transformers.MPNetConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=32), "eager"),
+    ("FalconModel", lambda: transformers.FalconConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                      num_attention_heads=2), "sdpa"),
+])
+def test_models_it_cannot_serve_are_refused_when_built(model_cls, config, instead):
+    cls = getattr(transformers, model_cls)
+    assert not tf_hf.supports_model(cls)
+    message = (rf"{model_cls} does not support attn_implementation='transformer_fast': .*\. "
+               rf"Use attn_implementation='{instead}'\.")
+    with pytest.raises(ValueError, match=message):
+        cls._from_config(config(), attn_implementation="transformer_fast")
+    with pytest.raises(ValueError, match=message):
+        transformers.AutoModel.from_config(config(), attn_implementation="transformer_fast")
+    cls._from_config(config(), attn_implementation=instead)  # what the message recommends works
+
+
+def test_refused_by_from_pretrained(tmp_path):
+    model = transformers.BloomForCausalLM._from_config(tiny_bloom_config(), attn_implementation="eager")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="BloomForCausalLM does not support attn_implementation='transformer_fast'"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="transformer_fast")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+
+
+def test_a_sub_model_outside_the_interface_refuses_the_composite_model():
+    """DeepSeek-VL-Hybrid itself dispatches through the interface, but builds a SAM vision encoder
+    that picks its attention classes from a table keyed by the implementation name."""
+    from hf_families import small_config
+    config = small_config("deepseek_vl_hybrid")
+    with pytest.raises(ValueError, match="SamVisionModel does not support attn_implementation='transformer_fast'"):
+        transformers.DeepseekVLHybridModel._from_config(config, attn_implementation="transformer_fast")
+
+
+def test_supports_model_follows_the_attention_interface():
+    for served in ("BertModel", "BartForConditionalGeneration", "T5Model", "LlamaForCausalLM", "GPT2Model",
+                   "Gemma3ForCausalLM"):
+        assert tf_hf.supports_model(getattr(transformers, served)), served
+    for refused in ("BloomModel", "ConvBertModel", "BigBirdModel", "CanineModel", "FalconModel", "GitModel",
+                    "SamVisionModel", "LongformerModel", "Gemma2Model", "PegasusXModel"):
+        assert not tf_hf.supports_model(getattr(transformers, refused)), refused
+    assert tf_hf.supports_model(transformers.BertModel._from_config(bert_config()))  # instances too
+
+
+def test_register_twice_and_under_another_name():
+    tf_hf.register()
+    tf_hf.register("transformer_fast_alias")
+    tf_hf.register()
+    with pytest.raises(ValueError, match="does not support attn_implementation='transformer_fast_alias'"):
+        transformers.BloomModel._from_config(tiny_bloom_config(), attn_implementation="transformer_fast_alias")
+    model = transformers.BertModel._from_config(bert_config(), attn_implementation="transformer_fast_alias")
+    assert model.config._attn_implementation == "transformer_fast_alias"
+    # one wrapper, however often registered
+    checked = transformers.PreTrainedModel.get_correct_attn_implementation
+    assert checked._transformer_fast_names == {"transformer_fast", "transformer_fast_alias"}
+    assert not hasattr(checked.__wrapped__, "_transformer_fast_names")
+
+
+def test_models_that_refuse_sdpa_are_refused():
+    """Gemma 2 (soft-capping) and PEGASUS-X go through the interface but refuse sdpa, whose mask
+    conventions transformer_fast shares: PEGASUS-X's decoder self-attention says is_causal=False
+    and relies on an explicit causal mask, which sdpa_mask leaves out (None) without padding."""
+    gemma2 = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="Gemma2Model does not support .*'sdpa'.*Use attn_implementation='eager'"):
+        transformers.Gemma2Model._from_config(gemma2, attn_implementation="transformer_fast")
+    from hf_families import check_family
+    result = check_family("pegasus_x")
+    assert result.status == "refused" and result.detail.startswith("PegasusXModel: no sdpa support"), result

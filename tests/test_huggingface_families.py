@@ -1,0 +1,65 @@
+"""attn_implementation="transformer_fast" over the model families transformers ships (tests/hf_families.py):
+each family served matches sdpa in outputs and gradients on a padded batch, each family it cannot
+serve (no sdpa, or attention outside AttentionInterface) is refused with a clear ValueError. A
+representative subset runs here; the whole sweep is marked slow (docs/huggingface_families.md
+records its last result)."""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_families  # noqa: E402
+
+SERVED = [
+    # encoder-only
+    "bert", "roberta", "electra", "distilbert", "modernbert",
+    # decoder-only; mistral, qwen2 and qwen3 with grouped-query attention (4 query heads, 2 key/value heads)
+    "gpt2", "llama", "mistral", "qwen2", "qwen3", "opt", "gemma3_text",
+    # multi-head latent attention (query/key head size 16, value head size 8)
+    "deepseek_v3",
+    # encoder-decoder; t5 with its relative position bias as a float mask
+    "bart", "t5", "m2m_100",
+]
+# Their attention does not go through AttentionInterface: served, they lost the causal mask (bloom,
+# xglm, gpt_neox_japanese), ignored padding (convbert, mpnet, ibert, big_bird, canine) or failed
+# with a KeyError (falcon, git).
+REFUSED = ["bloom", "xglm", "gpt_neox_japanese", "convbert", "mpnet", "ibert", "big_bird", "canine", "falcon", "git"]
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_served_family_matches(family):
+    result = hf_families.check_family(family)
+    assert result.served_correctly, result
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "llama"])
+def test_served_family_matches_in_training_mode(family):
+    """Dropout is 0 in the small configs: training mode takes the other code paths (T5's bias)."""
+    result = hf_families.check_family(family, train=True)
+    assert result.served_correctly, result
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_family_outside_the_attention_interface_is_refused(family):
+    result = hf_families.check_family(family)
+    assert result.status == "refused", result
+    assert result.detail.startswith(result.model_class), result
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpnet"])
+def test_a_served_family_that_misreads_the_masks_is_a_mismatch(family, monkeypatch):
+    """What the sweep reports if the refusal is lifted (as before it existed): BLOOM adds the bool
+    causal mask to its scores (token 0 sees the last token), MPNet ignores the padding."""
+    from transformer_fast.integrations import huggingface as tf_hf
+    monkeypatch.setattr(tf_hf, "supports_model", lambda model: True)
+    result = hf_families.check_family(family)
+    assert result.status == "MISMATCH", result
+
+
+@pytest.mark.slow
+def test_every_family():
+    """About 15 minutes on 2 cores; docs/huggingface_families.md is the same sweep's table."""
+    transformers.logging.set_verbosity_error()  # thousands of config warnings otherwise
+    results = [hf_families.check_family(family) for family in hf_families.families()]
+    bad = [r for r in results if r.status in ("MISMATCH", "ERROR")]
+    assert not bad, "\n".join(map(str, bad))
+    assert sum(r.served_correctly for r in results) >= 100
