@@ -4,7 +4,8 @@ Forward: one program per (query block, head, batch) streams the key/value tiles 
 softmax in base 2 (log2(e) is folded into the scale), keeps fp32 statistics and saves each row's
 log-sum-exp. Backward: a preprocess kernel computes delta = rowsum(dO * O); one kernel per key
 block accumulates dK and dV over the query blocks (and over the query heads sharing that key head
-under GQA, so no atomics anywhere), another per query block accumulates dQ over the key blocks.
+under GQA, so no atomics anywhere), another per query block accumulates dQ over the key blocks
+and, for a float mask that requires grad (STORE_DS), also writes the score gradient dS.
 
 Masking: scores of disallowed (causal, padded, attn_mask False or -inf, out of range) pairs are set
 to -inf before the row max, and every exponent is taken against a finite base, so P is exactly 0
