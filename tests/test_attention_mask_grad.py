@@ -20,6 +20,7 @@ BACKEND_PARAMS = [
     pytest.param("reference", torch.float32, None, id="reference-float32"),
     *(pytest.param("cpp", d, path, id=f"cpp-{str(d)[6:]}-{path}")
       for d in (torch.float32, torch.bfloat16) for path in PACK_MIN_ROWS),
+    pytest.param("cpp", torch.float16, None, id="cpp-float16"),
     pytest.param("triton", torch.float32, None, id="triton-float32"),
     # (bf16 tiles are wrong under the Triton interpreter, which computes with numpy: fp16 instead)
     pytest.param("triton", torch.float16, None, id="triton-float16"),
