@@ -723,7 +723,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 template <typename scalar_t>
 void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
-                          at::Tensor& dk, at::Tensor& dv) {
+                          at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask) {
   const Blocks blk = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n;
   const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
@@ -767,6 +767,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   float* dq_acc_data = dq_acc.data_ptr<float>();
   scalar_t* dk_data = dk.data_ptr<scalar_t>();
   scalar_t* dv_data = dv.data_ptr<scalar_t>();
+  // dS out, (B, H, Nq, Nk) contiguous and zero-filled: the tiles skipped below have dS = 0.
+  scalar_t* ds_data = dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr;
 
   // Packed products. bf16/fp16 (AMX): all five B operands packed once (K^T, V^T, K per key
   // block; Q, dO per query block); P^T and dS^T are written transposed. They take no alpha: the
@@ -860,6 +862,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               } else {
                 ds_from_dp(s, dp, bn, delta_t[r]);  // dP -> dS
               }
+              if (ds_data != nullptr) convert_row(dp, ds_data + (bh * p.Nq + i0 + r) * p.Nk + j0, bn);
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
@@ -999,11 +1002,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed) {
+    bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask) {
   check_inputs("attention_backward", q_in, k_in, v_in);
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
@@ -1014,22 +1017,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor dq = new_output(q.sizes(), q.options());
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
+  // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
+  // above the causal diagonal are skipped).
+  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
   if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    return {dq, dk, dv, dmask};
   }
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
   if (q.is_cuda()) {
-    attention_bwd_cuda(p, dout, q, k, v, out, lse, dq, dk, dv);
-    return {dq, dk, dv};
+    attention_bwd_cuda(p, dout, q, k, v, out, lse, dq, dk, dv, dmask);
+    return {dq, dk, dv, dmask};
   }
 #endif
   dispatch_dtype("attention_backward", q.scalar_type(), [&](auto tag) {
-    attention_bwd_kernel<decltype(tag)>(p, dout, q, k, v, out, lse, dq, dk, dv);
+    attention_bwd_kernel<decltype(tag)>(p, dout, q, k, v, out, lse, dq, dk, dv, dmask);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dmask};
 }
 
 }  // namespace transformer_fast

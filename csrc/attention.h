@@ -130,12 +130,13 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
 
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
 // attention_cuda.cu. q, k, v (and dout, out) have a unit last-dim stride; out, lse, dq, dk, dv are
-// contiguous, allocated by the caller.
+// contiguous, allocated by the caller; dmask is undefined, or (B, H, Nq, Nk) contiguous and
+// zero-filled, for dS.
 void attention_fwd_cuda(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         at::Tensor& out, at::Tensor& lse);
 void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv);
+                        at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask);
 #endif
 
 }  // namespace transformer_fast

@@ -50,13 +50,13 @@ void attention_fwd_cuda(const Problem& p, const at::Tensor& q, const at::Tensor&
 
 void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv) {
+                        at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask) {
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   const int dq_tile = pick_tile([&](int t) { return dq_shared_bytes(p, t); }, q.get_device(), "attention_backward");
   const int dkdv_tile =
       pick_tile([&](int t) { return dkdv_shared_bytes(p, t); }, q.get_device(), "attention_backward");
-  run_backward(p, dout, q, k, v, out, lse, delta, dq, dk, dv, dq_tile, dkdv_tile,
+  run_backward(p, dout, q, k, v, out, lse, delta, dq, dk, dv, dmask, dq_tile, dkdv_tile,
                CudaLaunch{c10::cuda::getCurrentCUDAStream()});
 }
 

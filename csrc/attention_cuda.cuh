@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_bwd_dq_kernel(const Problem p, const scalar_t* __restrict__ q, Layout qs, const scalar_t* __restrict__ k,
                             Layout ks, const scalar_t* __restrict__ v, Layout vs, const scalar_t* __restrict__ dout,
                             Layout dos, const float* __restrict__ lse, const float* __restrict__ delta,
-                            scalar_t* __restrict__ dq, int tile) {
+                            scalar_t* __restrict__ dq, scalar_t* __restrict__ ds_out, int tile) {
   TF_SHARED_MEMORY(smem);
   const int D = static_cast<int>(p.D), Dv = static_cast<int>(p.Dv), ldk = D + 1, ldv = Dv + 1;
   float* k_tile = smem;                    // tile x ldk
@@ -327,6 +327,10 @@ __global__ void __launch_bounds__(kThreads)
       const float f = p.dropout.active() && s != -INFINITY ? p.dropout.factor(p.dropout.row_key(bh, p.Nq, i), j)
                                                            : 1.f;
       ds[r] = prob * (dp[r] * f - row_delta[r]);
+      // dS out (the lanes write consecutive keys); disallowed pairs 0 whatever dP holds there
+      if (ds_out != nullptr && key_in_tile && i < p.Nq) {
+        ds_out[(bh * p.Nq + i) * p.Nk + j] = static_cast<scalar_t>(s != -INFINITY ? ds[r] : 0.f);
+      }
     }
     accumulate_tile(acc, ds, live, k_tile, ldk, D, tile, lane);
   }
@@ -487,11 +491,13 @@ void run_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, con
   });
 }
 
-// delta (B, H, Nq) fp32 scratch; dq, dk, dv contiguous.
+// delta (B, H, Nq) fp32 scratch; dq, dk, dv contiguous; dmask undefined (no dS wanted) or
+// (B, H, Nq, Nk) contiguous and zero-filled (the dQ kernel writes dS where it visits: all but the
+// key tiles past the causal diagonal).
 template <typename Launch>
 void run_backward(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& delta, at::Tensor& dq,
-                  at::Tensor& dk, at::Tensor& dv, int dq_tile, int dkdv_tile, Launch&& launch) {
+                  at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask, int dq_tile, int dkdv_tile, Launch&& launch) {
   const int64_t delta_blocks = grid_size((p.B * p.H * p.Nq + kWarps - 1) / kWarps, "attention_backward");
   const int64_t dq_blocks = grid_size((p.Nq + kBlockRows - 1) / kBlockRows * p.B * p.H, "attention_backward");
   const int64_t dkdv_blocks = grid_size((p.Nk + kBlockRows - 1) / kBlockRows * p.B * p.Hk, "attention_backward");
@@ -505,7 +511,7 @@ void run_backward(const Problem& p, const at::Tensor& dout, const at::Tensor& q,
     launch(attention_bwd_dq_kernel<scalar_t, kDims>, dq_blocks, dq_shared_bytes(p, dq_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),
-           dq.data_ptr<scalar_t>(), dq_tile);
+           dq.data_ptr<scalar_t>(), dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr, dq_tile);
     launch(attention_bwd_dkdv_kernel<scalar_t, kDims>, dkdv_blocks, dkdv_shared_bytes(p, dkdv_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),

@@ -19,11 +19,13 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, double dropout_p, int64_t seed);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+// dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an undefined tensor (None) unless
+// compute_dmask.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed);
+    bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask);
 
 // ---- LayerNorm / RMSNorm (layer_norm.cpp); absent optional results are undefined tensors (None) ----
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(

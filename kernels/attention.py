@@ -4,7 +4,8 @@ Forward: one program per (query block, head, batch) streams the key/value tiles 
 softmax in base 2 (log2(e) is folded into the scale), keeps fp32 statistics and saves each row's
 log-sum-exp. Backward: a preprocess kernel computes delta = rowsum(dO * O); one kernel per key
 block accumulates dK and dV over the query blocks (and over the query heads sharing that key head
-under GQA, so no atomics anywhere), another per query block accumulates dQ over the key blocks.
+under GQA, so no atomics anywhere), another per query block accumulates dQ over the key blocks
+and, for a float mask that requires grad (STORE_DS), also writes the score gradient dS.
 
 Masking: scores of disallowed (causal, padded, attn_mask False or -inf, out of range) pairs are set
 to -inf before the row max, and every exponent is taken against a finite base, so P is exactly 0
@@ -440,12 +441,13 @@ def attention_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
              mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed, bh_offset,
-             dropout_p, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+             dropout_p, ds_base, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
              MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
-             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             CHECK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_DS: tl.constexpr):
     """dQ of the query block at start_m += the contribution of key tile [start_n, start_n +
-    BLOCK_N) (CHECK_KEYS = CHECK_BOUNDS or HAS_PAD)."""
+    BLOCK_N) (CHECK_KEYS = CHECK_BOUNDS or HAS_PAD). With STORE_DS, also writes the tile's dS to
+    the (Nq, Nk) row-major block of this head at ds_base."""
     mi = tl.arange(0, BLOCK_M)[:, None]
     nj = tl.arange(0, BLOCK_N)
     offs_n = start_n + nj
@@ -464,23 +466,29 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, bh_offset + tl.cast(start_m, tl.int64) * Nk + n64, mi, nj[None, :], Nk, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    if STORE_DS:  # 0 where P = 0: padded keys' V loads as 0, so dP is finite there
+        ds_ptrs = ds_base + (tl.cast(start_m, tl.int64) * Nk + n64) + (mi * Nk + nj[None, :])
+        tl.store(ds_ptrs, ds, mask=(start_m + mi < Nq) & (offs_n[None, :] < Nk))
+    dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DQ_TILES_LOWP, _DQ_TILES_FP32))),
-                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _DQ_TILES_FP32)})
+                 key=_TUNE_KEY + ["STORE_DS"],
+                 prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _DQ_TILES_FP32)})
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dq_kernel(
-        Q, K, V, DOut, Lse, Delta, DQ, Mask, Pad, KvRange,
+        Q, K, V, DOut, Lse, Delta, DQ, DS, Mask, Pad, KvRange,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn,
         H, GROUP, Nq, Nk, qk_scale, scale, dropout_p, seed, LEN_BUCKET,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ of a query block; with STORE_DS also dS into DS, (B, H, Nq, Nk) contiguous and
+    zero-filled (the key tiles skipped here have dS = 0)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -491,6 +499,7 @@ def attention_bwd_dq_kernel(
     mask_base = Mask + b.to(tl.int64) * stride_maskb + h.to(tl.int64) * stride_maskh
     pad_base = Pad + b.to(tl.int64) * stride_padb
     bh_offset = bh * Nq * Nk
+    ds_base = DS + bh_offset
 
     start_m = pid_m * BLOCK_M
     m64 = tl.cast(start_m, tl.int64)
@@ -516,13 +525,13 @@ def attention_bwd_dq_kernel(
     for start_n in tl.range(lo, mid, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
-                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, MASK_KIND,
-                      HAS_PAD, HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION)
+                      bh_offset, dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                      MASK_KIND, HAS_PAD, HAS_DROPOUT, False, HAS_PAD, DOT_PRECISION, STORE_DS)
     for start_n in tl.range(mid, hi, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
-                      bh_offset, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                      MASK_KIND, HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION)
+                      bh_offset, dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
+                      IS_CAUSAL, MASK_KIND, HAS_PAD, HAS_DROPOUT, True, True, DOT_PRECISION, STORE_DS)
     _store_rows(DQ + (bh * Nq + m64) * HEAD_D, rows, HEAD_D, row_ok, offs_d, (dq * scale).to(DQ.dtype.element_ty),
                 HEAD_D, BLOCK_D)
 
@@ -614,7 +623,8 @@ def _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropo
             int(seed), _len_bucket(Nq, Nk))
 
 
-def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                       compute_dmask):
     B, H, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if Dv > 1 and dout.stride(3) != 1:
@@ -633,12 +643,15 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dq = new_output((B, H, Nq, D), q.dtype, q.device)
     dk = new_output((B, Hk, Nk, D), k.dtype, k.device)
     dv = new_output((B, Hk, Nk, Dv), v.dtype, v.device)
+    # dS: zero-filled, as the dQ kernel skips key tiles past the causal diagonal or all padded
+    dmask = torch.zeros((B, H, Nq, Nk), dtype=q.dtype, device=q.device) if compute_dmask else None
     args = _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed)
     attention_bwd_dkdv_kernel[lambda META: (cdiv(Nk, META["BLOCK_N"]), Hk, B)](
         q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta, **LAUNCH_OPTIONS)
     attention_bwd_dq_kernel[lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)](
-        q, k, v, dout, lse, delta, dq, mask, pad, kv_range, *args, **meta, **LAUNCH_OPTIONS)
-    return dq, dk, dv
+        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask, pad, kv_range, *args, **meta,
+        STORE_DS=compute_dmask, **LAUNCH_OPTIONS)
+    return dq, dk, dv, dmask
 
 
 # --------------------------------------------------------------------------------------------
@@ -675,7 +688,7 @@ def _jit_function(kernel):
 def _divisibility(fn, head_d, head_dv):
     """The launch-time specialization of contiguous q/k/v/dO with head dims that are multiples of
     16: every tensor pointer and every q/k/v/dO stride divisible by 16 (vectorized loads)."""
-    names = [n for n in fn.arg_names if n in ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV")]
+    names = [n for n in fn.arg_names if n in ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV", "DS")]
     if head_d % 16 == 0 and head_dv % 16 == 0:
         names += [n for n in fn.arg_names if n.startswith(("stride_q", "stride_k", "stride_v", "stride_do"))]
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
@@ -689,22 +702,22 @@ def compile_cases():
     cases = []
 
     def add(kernel, name, dtype, head_d, head_dv, tile, *, causal=False, mask_kind=0, pad=False, dropout=False,
-            expect_wgmma=False):
+            store_ds=False, expect_wgmma=False):
         block_m, block_n, warps, stages = tile
         t = "*" + _TYPE[dtype]
         mask_type = {0: t, 1: "*u8", 2: t}[mask_kind]
-        pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")}
+        pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
         pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if pad else t,
                         KvRange="*i32" if pad else t)
         block_d, block_dv = _block_dims(head_d, head_dv)
         constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=causal,
                           MASK_KIND=mask_kind, HAS_PAD=pad, HAS_DROPOUT=dropout,
-                          DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                          DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STORE_DS=store_ds,
                           BLOCK_M=block_m, BLOCK_N=block_n)
         fn = _jit_function(kernel)
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
         features = "".join(f for f, on in (("c", causal), ("b" if mask_kind == 1 else "f", mask_kind), ("p", pad),
-                                             ("r", dropout)) if on) or "plain"
+                                             ("r", dropout), ("s", store_ds)) if on) or "plain"
         cases.append(dict(
             name=f"{name}[{_TYPE[dtype]},d{head_d}/{head_dv},{features},m{block_m}n{block_n}w{warps}s{stages}]",
             fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
@@ -730,6 +743,12 @@ def compile_cases():
         add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
         add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)
+    # dS out (a float mask that requires grad): causal + padding + float mask + dropout, as in T5
+    # training, for each dtype class
+    for dtype, cls in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):
+        tiles = _DQ_TILES_FP32 if dtype == torch.float32 else _DQ_TILES_LOWP
+        add(attention_bwd_dq_kernel, "attention_bwd_dq", dtype, cls, cls, tiles[cls][0], causal=True, mask_kind=2,
+            pad=True, dropout=True, store_ds=True)
     preprocess = _jit_function(attention_bwd_preprocess_kernel)
     for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
         constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)

@@ -178,11 +178,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
 
 // As transformer_fast's attention_backward, with query tile `dkdv_tile` for dK, dV and key tile
 // `dq_tile` for dQ.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    int64_t dq_tile, int64_t dkdv_tile) {
+    bool compute_dmask, int64_t dq_tile, int64_t dkdv_tile) {
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = unit_last_stride(dout_in), out = unit_last_stride(out_in);
   const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
@@ -191,9 +191,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor delta = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   at::Tensor dq = poisoned(q.sizes(), q.options()), dk = poisoned(k.sizes(), k.options());
   at::Tensor dv = poisoned(v.sizes(), v.options());
-  ck::run_backward(p, dout, q, k, v, out, lse.contiguous(), delta, dq, dk, dv, static_cast<int>(dq_tile),
+  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
+  ck::run_backward(p, dout, q, k, v, out, lse.contiguous(), delta, dq, dk, dv, dmask, static_cast<int>(dq_tile),
                    static_cast<int>(dkdv_tile), EmulatedLaunch{});
-  return {dq, dk, dv};
+  return {dq, dk, dv, dmask};
 }
 
 }  // namespace tf_emulation

@@ -124,44 +124,6 @@ def test_masks(backend, dtype, case):
     check_attention(backend, q, k, v, attn_mask=attn_mask, key_padding_mask=pad, is_causal=is_causal)
 
 
-# A float attn_mask that requires grad (a learned position bias) gets its gradient, summed over
-# its broadcast dims: (mask shape, is_causal, key padding with a fully padded sequence, key heads).
-MASK_GRAD_CASES = [
-    ((2, 4, 17, 40), False, False, 4),
-    ((4, 17, 40), True, True, 2),  # per-head bias (T5 style), GQA
-    ((17, 40), True, True, 4),  # one bias for every batch and head
-    ((2, 1, 1, 40), False, True, 1),  # per-key bias, one key head
-]
-
-
-@pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
-@pytest.mark.parametrize("shape,is_causal,padded,Hk", MASK_GRAD_CASES, ids=str)
-def test_float_mask_gradient(backend, dtype, shape, is_causal, padded, Hk):
-    _need(backend)
-    q, k, v = make_qkv(2, 4, 17, 40, 24, Hk=Hk, dtype=dtype)
-    mask = random_attn_mask(shape, "float", dtype=dtype)  # with some -inf: rows with no allowed key too
-    pad = random_key_padding(2, 40, fully_padded_row=1) if padded else None
-
-    def kernel(q, k, v, mask):
-        return tf.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=Hk != 4,
-                                               key_padding_mask=pad, backend=backend)
-
-    def ref(q, k, v, mask):
-        return reference.scaled_dot_product_attention(q, k, v, mask, is_causal, key_padding_mask=pad)
-
-    compare_with_reference(kernel, ref, (q, k, v, mask), grad_inputs=(0, 1, 2, 3),
-                           what=f"attention[{backend}] mask {shape}")
-
-
-def test_float_mask_gradient_with_dropout_is_refused():
-    q, k, v = make_qkv(1, 2, 5, 7, 16)
-    mask = random_attn_mask((5, 7), "float").requires_grad_()
-    with pytest.raises(ValueError, match="attn_mask that requires grad"):
-        tf.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
-    with torch.no_grad():  # inference: nothing to refuse
-        tf.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_scale_and_non_contiguous_mask(backend):
     _need(backend)

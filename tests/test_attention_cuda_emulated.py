@@ -8,12 +8,13 @@ import platform
 import pytest
 import torch
 
-from transformer_fast import _dispatch
+from transformer_fast import _dispatch, reference
 from transformer_fast import attention as attention_module
 from transformer_fast._validation import broadcast_attn_mask, check_key_padding_mask
 
 from attention_cases import (check_attention, check_value_gradient, inside_nan, make_qkv, random_attn_mask,
                              random_key_padding)
+from helpers import compare_with_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(os.path.dirname(HERE), "csrc")
@@ -46,9 +47,10 @@ class _Emulated(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask, pad = ctx.saved_tensors
         ext, is_causal, scale, dropout_p, seed, tiles = ctx.args
-        dq, dk, dv = ext.backward(dout, q, k, v, out, lse, mask, pad, is_causal, scale, dropout_p, seed, tiles[1],
-                                  tiles[2])
-        return None, dq, dk, dv, None, None, None, None, None, None, None
+        compute_dmask = ctx.needs_input_grad[4]  # a float mask that requires grad: dS from the dQ kernel
+        dq, dk, dv, dmask = ext.backward(dout, q, k, v, out, lse, mask, pad, is_causal, scale, dropout_p, seed,
+                                         compute_dmask, tiles[1], tiles[2])
+        return None, dq, dk, dv, dmask, None, None, None, None, None, None
 
 
 def emulated_attention(ext, tiles=(32, 32, 32), dropout_p=0.0, seed=0):
@@ -190,8 +192,49 @@ def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
     dout = torch.randn_like(out_cpu)
     grads_cpu = attention_module._attention_backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p,
                                                      seed, "cpp")
-    grads_emu = emulation.backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p, seed, 32, 16)
+    grads_emu = emulation.backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p, seed, False, 32,
+                                   16)
     for name, a, b in zip(("dq", "dk", "dv"), grads_emu, grads_cpu):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_mask_gradient(emulation):
+    """A float attn_mask that requires grad (a per-head bias, broadcast over the batch) gets dS from
+    the dQ kernel, summed over the batch by autograd; key tiles the causal dQ kernel skips keep the
+    zeros they start with; GQA, a fully padded sequence and a row with no allowed key."""
+    B, H, Hk, Nq, Nk, D = 2, 4, 2, 19, 35, 24
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
+    mask = random_attn_mask((H, Nq, Nk), "float")
+    mask[:, 3] = float("-inf")
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    attention = emulated_attention(emulation, (16, 8, 16))
+
+    def kernel(q, k, v, mask):
+        return attention(q, k, v, attn_mask=mask, is_causal=True, key_padding_mask=pad)
+
+    def ref(q, k, v, mask):
+        return reference.scaled_dot_product_attention(q, k, v, mask, True, key_padding_mask=pad)
+
+    compare_with_reference(kernel, ref, (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what="emulated CUDA mask grad")
+
+
+def test_mask_gradient_with_dropout_matches_the_cpu_kernel(emulation):
+    """With dropout, the dS the CUDA dQ kernel writes is the CPU kernel's (one dropout hash; the CPU
+    kernel's dS is checked against float64 with its recovered keep mask in test_attention_mask_grad.py)."""
+    reason = _dispatch.available_backends()["cpp"]
+    if reason is not None:
+        pytest.skip(f"C++ backend unavailable: {reason}")
+    B, H, Hk, Nq, Nk, D, p, seed, scale = 2, 2, 1, 19, 37, 24, 0.3, 4321, 0.2
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
+    mask = broadcast_attn_mask(random_attn_mask((H, Nq, Nk), "float"), (B, H, Nq, Nk), q)
+    pad = random_key_padding(B, Nk)
+    args = (mask, pad, True, scale, p, seed)
+    out, lse = attention_module._attention_forward(q, k, v, *args, "cpp")
+    dout = torch.randn_like(out)
+    grads_cpu = attention_module._attention_backward(dout, q, k, v, out, lse, *args, "cpp", True)
+    grads_emu = emulation.backward(dout, q, k, v, out, lse, *args, True, 16, 8)
+    assert grads_cpu[3].abs().sum() > 0
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), grads_emu, grads_cpu):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 

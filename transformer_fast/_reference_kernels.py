@@ -48,7 +48,8 @@ def _sum_groups(t, heads):
     return t.reshape(B, heads, H // heads, *t.shape[2:]).sum(2)
 
 
-def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                       compute_dmask):
     c = _compute_dtype(q)
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
@@ -62,7 +63,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
     dq = dscores @ k_full * scale
     dk = _sum_groups(dscores.transpose(-2, -1) @ qc * scale, Hk)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dmask = dscores.to(q.dtype) if compute_dmask else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):

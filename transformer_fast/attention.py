@@ -6,13 +6,16 @@ signature:
     attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
         -> (out, lse)
     attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                       dropout_p, seed) -> (dq, dk, dv)
+                       dropout_p, seed, compute_dmask) -> (dq, dk, dv, dmask)
 
 q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv) with any strides but a unit last-dim
 stride, Hk dividing H; attn_mask None or a (B, H, Nq, Nk) view (stride 0 on broadcast dims),
 bool (True = allowed) or float (added); key_padding_mask None or (B, Nk) bool (True = padded).
 out is (B, H, Nq, Dv) contiguous in q's dtype; lse (B, H, Nq) float32 is each row's log-sum-exp
 of the scaled, masked scores, +inf for rows with no allowed key (so exp(s - lse) is 0 there).
+dmask is None unless compute_dmask; then it is dS (B, H, Nq, Nk) contiguous in q's dtype, the
+gradient of the scaled, masked scores (so of an additive float mask), with the forward's dropout:
+0 for disallowed pairs, padded keys and rows with no allowed key.
 """
 from __future__ import annotations
 
@@ -56,12 +59,17 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, b
 def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor],
                         key_padding_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                        dropout_p: float, seed: int,
-                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _dispatch.kernel("attention_backward", backend)(
-        dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+                        dropout_p: float, seed: int, backend: str, compute_dmask: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask); dmask is the score gradient dS (B, H, Nq, Nk) when compute_dmask,
+    else an empty tensor (custom ops cannot return None)."""
+    B, H, Nq, _ = q.shape
+    if Nq == 0 or k.shape[2] == 0:
+        dmask = q.new_zeros(B, H, Nq, k.shape[2]) if compute_dmask else q.new_empty(0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    dq, dk, dv, dmask = _dispatch.kernel("attention_backward", backend)(
+        dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask)
+    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
 _attention_backward_op = torch.library.custom_op(
@@ -69,9 +77,12 @@ _attention_backward_op = torch.library.custom_op(
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend,
+      compute_dmask=False):
     # The kernels return contiguous gradients (whatever the inputs' strides).
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    B, H, Nq, _ = q.shape
+    dmask = q.new_empty(B, H, Nq, k.shape[2]) if compute_dmask else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 def _setup_context(ctx, inputs, output):
@@ -82,42 +93,18 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale):
-    """The gradient of a float attn_mask, (B, H, Nq, Nk): the mask is added to the scaled scores,
-    so it is the score gradient dS = P * (dO V^T - rowsum(dO * O)), with P = exp(S - lse)
-    recomputed from the saved log-sum-exp. Plain torch ops in (at least) fp32: this gradient is a
-    full Nq x Nk tensor per head whatever computes it (autograd then sums it over the mask's
-    broadcast dims). Disallowed pairs, padded keys and rows with no allowed key get 0."""
-    ct = torch.promote_types(q.dtype, torch.float32)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.matmul(q.to(ct), k.to(ct).transpose(-1, -2)) * scale + attn_mask.to(ct)
-    p = torch.exp(s - lse.to(ct)[..., None])  # lse = +inf on rows with no allowed key: P = 0
-    dp = torch.matmul(dout.to(ct), v.to(ct).transpose(-1, -2))
-    ds = p * (dp - (dout.to(ct) * out.to(ct)).sum(-1, keepdim=True))
-    # Zeroed after the product, so that whatever padded keys hold cannot leak in.
-    disallowed = attn_mask == float("-inf")
-    if is_causal:
-        Nq, Nk = s.shape[-2:]
-        disallowed = disallowed | torch.ones(Nq, Nk, dtype=torch.bool, device=s.device).triu(1)
-    if key_padding_mask is not None:
-        disallowed = disallowed | key_padding_mask[:, None, None, :]
-    return ds.masked_fill(disallowed, 0.0).to(attn_mask.dtype)
-
-
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
         return _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask)
-    dq, dk, dv = _dispatch.run_op(_attention_backward_op, _attention_backward, dout, q, k, v, out, lse, attn_mask,
-                                  key_padding_mask, *ctx.args)
-    dmask = None
-    if ctx.needs_input_grad[3]:  # a float attn_mask that requires grad (e.g. a learned position bias)
-        is_causal, scale = ctx.args[:2]
-        dmask = _attn_mask_grad(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale)
+    # A float attn_mask that requires grad (e.g. a learned position bias): its gradient is the
+    # score gradient dS, which the backward kernels form anyway (with the forward's dropout).
+    # Autograd sums it over the mask's broadcast dims.
+    compute_dmask = bool(ctx.needs_input_grad[3])
+    dq, dk, dv, dmask = _dispatch.run_op(_attention_backward_op, _attention_backward, dout, q, k, v, out, lse,
+                                         attn_mask, key_padding_mask, *ctx.args, compute_dmask)
     # No gradient for key_padding_mask, the flags or the seed.
-    return dq, dk, dv, dmask, None, None, None, None, None, None
+    return dq, dk, dv, dmask if compute_dmask else None, None, None, None, None, None, None
 
 
 def _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask):
@@ -180,8 +167,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Query rows with no allowed key give 0 (and 0 gradient). Under ``torch.autocast`` the floating
     inputs are cast to the autocast dtype first, as torch's SDPA is. ``enable_gqa=True`` lets key/value
     have fewer heads than query (a divisor). ``backend``: "auto", "triton", "cpp" or "reference".
-    A float ``attn_mask`` that requires grad gets its gradient (as in PyTorch; computed with torch
-    ops outside the fused kernels, in O(B H Nq Nk) memory; not with dropout).
+    A float ``attn_mask`` that requires grad gets its gradient (as in PyTorch, dropout included):
+    the backward kernels write the score gradient, (B, H, Nq, Nk) in the mask's dtype, which
+    autograd sums over the mask's broadcast dims.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=(3, 4))
@@ -214,9 +202,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     scale = _check_scale(scale)
-    if attn_mask is not None and attn_mask.requires_grad and dropout_p > 0.0 and torch.is_grad_enabled():
-        raise ValueError("a float attn_mask that requires grad cannot be combined with dropout_p > 0: its "
-                         "gradient needs the kernels' dropout mask, which only they regenerate")
     attn_mask = broadcast_attn_mask(attn_mask, (B, H, Nq, Nk), query)
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
 

@@ -53,7 +53,8 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
         return (dk, dv), compiled
     dq = torch.empty_like(q)
     fn = ka._jit_function(ka.attention_bwd_dq_kernel)
-    compiled = fn[(triton.cdiv(N, block_m), H, B)](q, k, v, dout, lse, delta, dq, q, q, q, *args, **meta, **tune)
+    compiled = fn[(triton.cdiv(N, block_m), H, B)](q, k, v, dout, lse, delta, dq, dq, q, q, q, *args, **meta,
+                                                   STORE_DS=False, **tune)
     return (dq,), compiled
 
 
