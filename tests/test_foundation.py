@@ -301,8 +301,8 @@ def test_layer_norm_rejects_bad_inputs():
         tf.layer_norm(x, (5,))
     with pytest.raises(ValueError, match="weight must have shape"):
         tf.layer_norm(x, (6,), weight=torch.ones(5))
-    with pytest.raises(TypeError, match="residual has dtype"):
-        tf.layer_norm(x, (6,), residual=x.double())
+    y, h = tf.layer_norm(x, (6,), residual=x.double())  # the add promotes, as x + r does
+    assert y.dtype == h.dtype == torch.float64
     with pytest.raises(ValueError, match="residual must have the input's shape"):
         tf.layer_norm(x, (6,), residual=x[:2])
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):

@@ -377,8 +377,9 @@ def test_bad_inputs_raise_clear_errors():
         tf.layer_norm(x, (6,), weight=torch.ones(6), bias=torch.ones(2, 3))
     with pytest.raises(TypeError, match="weight must have the input's dtype"):
         tf.layer_norm(x, (6,), weight=torch.ones(6, dtype=torch.float64))
-    with pytest.raises(TypeError, match="residual has dtype torch.float64 but input has torch.float32"):
-        tf.layer_norm(x, (6,), residual=x.double())
+    y, h = tf.layer_norm(x, (6,), residual=x.double())  # the add promotes, as x + r does
+    torch.testing.assert_close(h, x.double() * 2, atol=0, rtol=0)
+    assert y.dtype == torch.float64
     with pytest.raises(ValueError, match="residual is on meta but input is on cpu"):
         tf.rms_norm(x, (6,), residual=torch.empty(4, 6, device="meta"))
     with pytest.raises(ValueError, match=r"residual must have the input's shape \(4, 6\), got \(6,\)"):

@@ -139,7 +139,8 @@ def test_recurrent_form_equals_parallel_form(dtype):
     for i in range(N):
         out, state = tf.linear_attention_step(q[:, :, i], k[:, :, i], v[:, :, i], state)
         steps.append(out)
-    assert state.S.dtype == torch.float32 and state.z.dtype == torch.float32
+    state_dtype = torch.promote_types(dtype, torch.float32)
+    assert state.S.dtype == state_dtype and state.z.dtype == state_dtype
     recurrent = torch.stack(steps, dim=2)
     assert recurrent.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-6, atol=1e-6)  # fp32 state

@@ -547,7 +547,7 @@ def test_residual_adds_are_fused_into_the_norms(monkeypatch, norm_first):
     one into the final norm), and a causal hint reaches the kernel as is_causal, without a mask."""
     import sys
 
-    ln_module = sys.modules["transformer_fast.layer_norm"]
+    ln_module = sys.modules["transformer_fast.modules"]  # where the LayerNorm module finds layer_norm
     norm_calls, attention_calls = [], []
     layer_norm = ln_module.layer_norm
 

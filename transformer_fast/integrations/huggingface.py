@@ -13,7 +13,8 @@ transformers is imported only by this module, never by ``import transformer_fast
 Supported: everything the ``sdpa`` implementation does with plain masks (padding, causal,
 bidirectional, grouped-query attention, a float ``position_bias`` as in T5), dropout in training.
 Not supported: ``output_attentions=True`` (there are no weights; None is returned, as ``sdpa``
-does), ``softcap`` and attention sinks (``s_aux``), which raise ValueError, paged caches, padding-free (packed) inputs.
+does), ``softcap`` and attention sinks (``s_aux``), which raise ValueError, paged caches,
+padding-free (packed) inputs.
 
 Only models that support ``sdpa`` through ``AttentionInterface`` can be served (``supports_model``):
 any other model would run its own attention code on the masks built for this implementation
