@@ -218,6 +218,23 @@ inline void ds_from_dp(const float* s, float* dp, int64_t n, float delta) {
   for (; c < n; ++c) dp[c] = s[c] == 0.f ? 0.f : s[c] * (dp[c] - delta);
 }
 
+// delta = sum_j P_j dP_j over a row's keys (0 terms where p == 0: dp may hold garbage there), in
+// fp32 with a vector of partial sums. Where a row's keys fit one tile, this replaces dO . O: with O
+// rounded to bf16/fp16, dO . O misses sum_j P_j dP_j by that rounding, which dominates dS where
+// one key takes nearly all of a row's probability (dP_j and delta then nearly cancel).
+inline float delta_from_tile(const float* s, const float* dp, int64_t n) {
+  Vec acc(0.f);
+  const Vec zero(0.f);
+  int64_t c = 0;
+  for (; c + Vec::size() <= n; c += Vec::size()) {
+    const Vec pv = Vec::loadu(s + c);
+    acc = acc + Vec::blendv(pv * Vec::loadu(dp + c), zero, pv == zero);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; c < n; ++c) sum += s[c] == 0.f ? 0.f : s[c] * dp[c];
+  return sum;
+}
+
 // s <- P = exp(s * mult - lse) and dp <- dS = P * (dp - delta), for a row with no masked key.
 inline void p_and_ds(float* s, float* dp, int64_t n, float mult, float lse, float delta) {
   const Vec vmult(mult), vlse(lse), vdelta(delta);
@@ -745,10 +762,11 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   const int64_t dsb = dout.stride(0), dsh = dout.stride(1), dsn = dout.stride(2);
   const int64_t osb = out.stride(0), osh = out.stride(1), osn = out.stride(2);
 
-  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included)
+  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included); rows whose keys fit one tile
+  // take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
   at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
-  at::parallel_for(0, p.B * p.H * p.Nq, 64, [&](int64_t begin, int64_t end) {
+  if (n_nblocks > 1) at::parallel_for(0, p.B * p.H * p.Nq, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t i = row % p.Nq, bh = row / p.Nq, b = bh / p.H, h = bh % p.H;
       delta_data[row] = dot_fp32(do_data + b * dsb + h * dsh + i * dsn, o_data + b * osb + h * osh + i * osn, Dv);
@@ -825,8 +843,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                                              packed ? packed_kt.at(bhk, n) : nullptr, bm, bn, S.data(), BN);
             const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
             // An unmasked tile without dropout uses all its keys: P and dS are then made in one
-            // pass after the dP product. Otherwise P comes first, to find the keys in use.
-            const bool fused = !masked && !p.dropout.active();
+            // pass after the dP product. Otherwise P comes first, to find the keys in use; so it
+            // does where the row's keys fit this one tile, whose P and dP then give delta.
+            const bool delta_from_p = n_nblocks == 1;
+            const bool fused = !masked && !p.dropout.active() && !delta_from_p;
             UsedKeys used{0, bn, false};
             if (!fused) {
               if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
@@ -860,7 +880,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if (fused) {
                 p_and_ds(s, dp, bn, s_scale, lse_t[r], delta_t[r]);
               } else {
-                ds_from_dp(s, dp, bn, delta_t[r]);  // dP -> dS
+                ds_from_dp(s, dp, bn, delta_from_p ? delta_from_tile(s, dp, bn) : delta_t[r]);  // dP -> dS
               }
               if (ds_data != nullptr) convert_row(dp, ds_data + (bh * p.Nq + i0 + r) * p.Nk + j0, bn);
               if (p.dropout.active()) {
