@@ -13,15 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._reference_kernels import dropout_keep_mask
+
 
 def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def _dropout_keep(seed, shape, dropout_p, device):
-    from ._reference_kernels import dropout_keep_mask
-
-    return dropout_keep_mask(seed, shape, dropout_p, device)
 
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend=None):
@@ -55,7 +51,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     probs = terms / torch.where(empty, torch.ones_like(denominator), denominator)
     lse = torch.where(empty, torch.full_like(denominator, float("inf")), shift + torch.log(denominator))
     if dropout_p > 0:
-        probs = probs * _dropout_keep(seed, probs.shape, dropout_p, q.device) / (1.0 - dropout_p)
+        probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1.0 - dropout_p)
     out = torch.matmul(probs, vc)
     return out.to(q.dtype), lse.squeeze(-1).detach().float()
 

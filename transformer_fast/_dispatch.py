@@ -254,13 +254,23 @@ def autocast_dtype(policy: str, device: torch.device):
     return torch.float32 if device.type == "cuda" else None
 
 
-def autocast_cast(dtype, t):
+def _autocast_cast(dtype, t):
     """``t`` in ``dtype`` if autocast would cast it (a floating tensor, not float64, as torch's
     cached_cast decides), else ``t`` itself."""
     if (dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point()
             or t.dtype in (dtype, torch.float64)):
         return t
     return t.to(dtype)
+
+
+def autocast_inputs(policy: str, *tensors):
+    """``tensors`` (the first one a tensor; None and non-tensors pass through) as autocast gives
+    them to an op with ``policy`` (see autocast_dtype): a tuple, the inputs themselves where
+    autocast is off."""
+    if not torch._C._is_any_autocast_enabled():
+        return tensors
+    dtype = autocast_dtype(policy, tensors[0].device)
+    return tensors if dtype is None else tuple(_autocast_cast(dtype, t) for t in tensors)
 
 
 def autocast_off():
@@ -280,10 +290,8 @@ def register_autocast(op, name: str, policy: str, cast_args: tuple = ()):
     autocast. The public functions apply the same rule before they call the op."""
 
     def kernel(_keyset, *args):
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        dtype = autocast_dtype(policy, device)
-        args = tuple(autocast_cast(dtype, a) if i in cast_args and isinstance(a, torch.Tensor) else a
-                     for i, a in enumerate(args))
+        cast = autocast_inputs(policy, *(args[i] for i in cast_args)) if cast_args else ()
+        args = tuple(cast[cast_args.index(i)] if i in cast_args else a for i, a in enumerate(args))
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
             return op(*args)
 
@@ -293,7 +301,6 @@ def register_autocast(op, name: str, policy: str, cast_args: tuple = ()):
 
 # --------------------------------------------------------------------------------------------
 # Calling a custom op
-
 # --------------------------------------------------------------------------------------------
 # Both private to torch (present since 2.0); where one is missing, every call takes the op.
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)

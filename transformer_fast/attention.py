@@ -182,9 +182,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
             key_padding_mask=key_padding_mask, backend=backend)[0]
-    low = _dispatch.autocast_dtype("lower", query.device)
-    if low is not None:
-        query, key, value, attn_mask = (_dispatch.autocast_cast(low, t) for t in (query, key, value, attn_mask))
+    query, key, value, attn_mask = _dispatch.autocast_inputs("lower", query, key, value, attn_mask)
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, Nq, D = query.shape

@@ -144,9 +144,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     for pname, p in (("weight", weight), ("bias", bias)):
         if p is not None:
             check_tensor(pname, p)
-    cast = _dispatch.autocast_dtype("norm", x.device)
-    if cast is not None:
-        x, residual, weight, bias = (_dispatch.autocast_cast(cast, t) for t in (x, residual, weight, bias))
+    x, residual, weight, bias = _dispatch.autocast_inputs("norm", x, residual, weight, bias)
     if residual is not None and residual.dtype != x.dtype:  # the add promotes, as input + residual does
         common = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(common), residual.to(common)

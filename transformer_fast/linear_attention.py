@@ -92,7 +92,7 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=4)
-    query, key, value = _autocast(query, key, value)
+    query, key, value = _dispatch.autocast_inputs("lower", query, key, value)
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, Nq, D = query.shape
@@ -119,13 +119,6 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
                             composite=_composite.linear_attention_forward)
 
 
-def _autocast(query, key, value):
-    low = _dispatch.autocast_dtype("lower", query.device)
-    if low is None:
-        return query, key, value
-    return tuple(_dispatch.autocast_cast(low, t) for t in (query, key, value))
-
-
 class LinearAttentionState(NamedTuple):
     """The recurrent state of causal linear attention: S = sum phi(k)^T v (B, H, D, Dv) and
     z = sum phi(k) (B, H, D), float32 (float64 for float64 inputs), summed over the tokens seen
@@ -143,7 +136,7 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=3)
-    query, key, value = _autocast(query, key, value)
+    query, key, value = _dispatch.autocast_inputs("lower", query, key, value)
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, D = query.shape
