@@ -47,9 +47,9 @@ def install_check():
         return out
     out["device"] = measure.device_info(torch.device("cuda"))
     try:
-        from transformer_fast import _dispatch
+        from transformer_fast import _build
 
-        out["cpp_cuda_families"] = list(_dispatch.cpp_extension().cuda_families())
+        out["cpp_cuda_families"] = list(_build.extension().cuda_families())
     except Exception as exc:  # noqa: BLE001 - reported, not fatal: Triton is the GPU path
         out["cpp_cuda_families"] = f"unavailable: {exc}"
     out["checks"] = family_checks(torch.device("cuda"))

@@ -372,9 +372,9 @@ def run_sweep(args):
     selected = {}
     for name in ("attention", "layer_norm", "linear_attention"):
         try:
-            from transformer_fast import _dispatch
+            from transformer_fast import _backends
 
-            selected[name] = _dispatch.select_backend(device, dtype, "auto")
+            selected[name] = _backends.select_backend(device, dtype, "auto", name)
         except Exception as exc:  # noqa: BLE001
             selected[name] = _first_line(exc)
     for name, reason in backends.items():

@@ -1059,3 +1059,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
 }
 
 }  // namespace transformer_fast
+
+namespace transformer_fast {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    bool compute_dmask) {
+  auto [dq, dk, dv, dmask] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
+                                                scale, dropout_p, seed, compute_dmask);
+  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // the op returns no None
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward_cpu);
+}
+
+}  // namespace transformer_fast

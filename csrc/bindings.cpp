@@ -1,5 +1,10 @@
-// Python bindings of the C++ backend: transformer_fast._C. The ops are registered with
-// torch.library on the Python side (transformer_fast/<family>.py), which also owns autograd.
+// transformer_fast._C: loading it registers the ops (csrc/schemas.cpp and the TORCH_LIBRARY_IMPL
+// blocks). The Python bindings below serve what the dispatcher does not:
+//   * the public ops' C++ functions, called directly by the Python functions in eager mode (the
+//     same code the dispatcher runs for torch.ops.transformer_fast.<op>, without the boxed call);
+//   * their argument checks alone (*_args), for the paths that run a backend other than the
+//     dispatcher's (backend=..., the torch.func transforms);
+//   * the kernel-level functions, for those paths.
 #include "ops.h"
 
 #include <cstdlib>
@@ -25,7 +30,37 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace tf = transformer_fast;
-  m.doc() = "transformer_fast C++ kernels (CPU; CUDA for attention where built with CUDA)";
+  namespace py = pybind11;
+  m.doc() = "transformer_fast C++ kernels and op registrations (CPU; CUDA for attention where built with CUDA)";
+
+  m.def("scaled_dot_product_attention", &tf::scaled_dot_product_attention);
+  m.def("layer_norm", [](const at::Tensor& input, const std::vector<int64_t>& normalized_shape,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                         std::optional<double> eps, const std::optional<at::Tensor>& residual, bool is_rms) {
+    return tf::layer_norm(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual, is_rms);
+  });
+  m.def("linear_attention", &tf::linear_attention);
+
+  m.def("attention_args", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale, bool enable_gqa,
+                             const std::optional<at::Tensor>& key_padding_mask) {
+    const auto a = tf::attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask);
+    return py::make_tuple(a.q, a.k, a.v, a.attn_mask, a.key_padding_mask, a.scale, a.unbatched);
+  });
+  m.def("layer_norm_args", [](const at::Tensor& input, const std::vector<int64_t>& normalized_shape,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              std::optional<double> eps, const std::optional<at::Tensor>& residual, bool is_rms) {
+    const auto a = tf::layer_norm_args(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual,
+                                       is_rms);
+    return py::make_tuple(a.x, a.residual, a.weight, a.bias, a.eps, a.rows_empty);
+  });
+  m.def("linear_attention_args", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                                    const std::optional<at::Tensor>& key_padding_mask, double eps) {
+    const auto a = tf::linear_attention_args(q, k, v, is_causal, key_padding_mask, eps);
+    return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask);
+  });
+
   m.def("attention_forward", &tf::attention_forward);
   m.def("attention_backward", &tf::attention_backward);
   m.def("layer_norm_forward", &tf::layer_norm_forward);

@@ -501,3 +501,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
 }
 
 }  // namespace transformer_fast
+
+namespace transformer_fast {
+namespace {
+
+// The ops' contract: results a call does not produce are empty tensors, not None.
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : like.new_empty({0}); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cpu(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, bool is_rms) {
+  auto [y, h, mean, rstd] = layer_norm_forward(x, residual, weight, bias, eps, is_rms);
+  return {y, or_empty(h, x), or_empty(mean, rstd), rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
+    const at::Tensor& dy, const std::optional<at::Tensor>& dh, const at::Tensor& h,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+    const at::Tensor& rstd, double eps, bool is_rms) {
+  auto [dx, dweight, dbias] = layer_norm_backward(dy, dh, h, weight, bias, is_rms ? std::nullopt : std::optional(mean),
+                                                  rstd, eps, is_rms);
+  return {dx, or_empty(dweight, h), or_empty(dbias, h)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
+  m.impl("layer_norm_forward", &layer_norm_forward_cpu);
+  m.impl("layer_norm_backward", &layer_norm_backward_cpu);
+}
+
+}  // namespace transformer_fast

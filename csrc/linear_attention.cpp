@@ -395,3 +395,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
 }
 
 }  // namespace transformer_fast
+
+namespace transformer_fast {
+
+TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
+  m.impl("linear_attention_forward", &linear_attention_forward);
+  m.impl("linear_attention_backward", &linear_attention_backward);
+}
+
+}  // namespace transformer_fast

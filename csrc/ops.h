@@ -1,8 +1,10 @@
-// The kernel-level functions of the C++ backend. Their Python-side contract (shapes, strides,
-// dtypes, what is returned) is documented once, in the matching transformer_fast/<family>.py.
+// The C++ backend: the kernel-level functions (their contract of shapes, strides, dtypes and
+// results is documented once, in the matching transformer_fast/<family>.py) and the public ops'
+// argument checks (csrc/<family>_op.cpp).
 #pragma once
 
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
@@ -46,5 +48,49 @@ at::Tensor linear_attention_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps);
+
+// ---- the public ops (csrc/<family>_op.cpp): argument checks, then the kernel ops ----
+// Checked and normalised arguments: 4-D, autocast applied, unit last-dim strides, the mask an
+// expanded (B, H, Nq, Nk) view, the scale resolved.
+struct AttentionArgs {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> attn_mask, key_padding_mask;
+  double scale = 1.0;
+  bool unbatched = false;  // the inputs were (H, N, D)
+};
+AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale, bool enable_gqa,
+                             const std::optional<at::Tensor>& key_padding_mask);
+at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                        const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                        bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                        const std::optional<at::Tensor>& key_padding_mask, int64_t seed);
+
+// x and residual as (rows, width); weight and bias flattened to (width,); rows_empty when the
+// rows have no elements (then only x, residual and the result shape mean anything).
+struct LayerNormArgs {
+  at::Tensor x;
+  std::optional<at::Tensor> residual, weight, bias;
+  double eps = 0.0;
+  bool rows_empty = false;
+};
+LayerNormArgs layer_norm_args(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              std::optional<double> eps, const std::optional<at::Tensor>& residual, bool is_rms);
+std::tuple<at::Tensor, at::Tensor> layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                              const std::optional<at::Tensor>& weight,
+                                              const std::optional<at::Tensor>& bias, std::optional<double> eps,
+                                              const std::optional<at::Tensor>& residual, bool is_rms);
+
+struct LinearAttentionArgs {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> key_padding_mask;
+};
+LinearAttentionArgs linear_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          bool is_causal, const std::optional<at::Tensor>& key_padding_mask,
+                                          double eps);
+at::Tensor linear_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
+                            const std::optional<at::Tensor>& key_padding_mask, double eps);
 
 }  // namespace transformer_fast

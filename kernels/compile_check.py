@@ -105,12 +105,12 @@ def check_cuda_sources(archs):
 
     from torch.utils import cpp_extension
 
-    from .. import _build_config, _dispatch
+    from .. import _build, _build_config
 
     nvcc = shutil.which("nvcc") or (cpp_extension.CUDA_HOME and os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
     if not nvcc or not os.path.exists(nvcc):
         return [], ["nvcc not found"]
-    csrc = _dispatch._csrc_dir()
+    csrc = _build._csrc_dir()
     reports, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         # A CPU build of torch ships c10/cuda's headers but not the configuration header that CMake

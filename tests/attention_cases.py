@@ -160,3 +160,21 @@ def check_gpu_grid(backend, D, dtype, is_causal):
             raise AssertionError(f"B={B} H={H} Hk={Hk} Nq={Nq} Nk={Nk} D={D} Dv={Dv} causal={is_causal} "
                                  f"layout={layout} pad={pad is not None} mask={None if mask is None else mask.dtype}"
                                  f": {exc}") from exc
+
+
+def kernel_attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+    """The attention_forward op of ``backend`` (its kernel with the op's contract), called directly."""
+    from transformer_fast._device_kernels import op_kernel
+
+    return op_kernel("attention_forward", backend, q.device.type)(q, k, v, attn_mask, key_padding_mask, is_causal,
+                                                                  scale, dropout_p, seed)
+
+
+def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                              backend, compute_dmask=False):
+    """The attention_backward op of ``backend``, called directly: (dq, dk, dv, dmask or empty)."""
+    from transformer_fast._device_kernels import op_kernel
+
+    return op_kernel("attention_backward", backend, q.device.type)(dout, q, k, v, out, lse, attn_mask,
+                                                                   key_padding_mask, is_causal, scale, dropout_p,
+                                                                   seed, compute_dmask)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import transformer_fast as tf
-from transformer_fast import _dispatch, reference
+from transformer_fast import _backends, _build, reference
 from transformer_fast import attention as attention_module
 
-from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, check_value_gradient, make_qkv,
+from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_gpu_grid, check_value_gradient, make_qkv,
                              random_attn_mask, random_key_padding)
 from helpers import compare_with_reference
 
@@ -276,7 +276,7 @@ def test_log_sum_exp(backend):
     q, k, v = make_qkv(B, H, Nq, Nk, D)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
     mask = random_attn_mask((Nq, Nk), "bool").expand(B, H, Nq, Nk)
-    out, lse = _dispatch.kernel("attention_forward", backend)(q, k, v, mask, pad, True, 0.2, 0.0, 0)
+    out, lse = _backends.kernel("attention_forward", backend)(q, k, v, mask, pad, True, 0.2, 0.0, 0)
     bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad,
                                     is_causal=True, dtype=torch.float64)
     expected = torch.logsumexp(q.double() @ k.double().transpose(-2, -1) * 0.2 + bias, dim=-1)
@@ -418,13 +418,13 @@ def test_opcheck_cpp(dtype):
     pad = random_key_padding(B, Nk)
     mask = random_attn_mask((1, H, Nq, Nk), "bool").expand(B, H, Nq, Nk)
     ops = torch.ops.transformer_fast
-    torch.library.opcheck(ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0, "cpp"))
-    torch.library.opcheck(ops.attention_forward, (q, k, v, None, None, False, 0.25, 0.2, 7, "cpp"))
-    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.0, 0, "cpp")
+    torch.library.opcheck(ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0))
+    torch.library.opcheck(ops.attention_forward, (q, k, v, None, None, False, 0.25, 0.2, 7))
+    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.0, 0)
     dout = torch.randn_like(out)
     torch.library.opcheck(ops.attention_backward,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, pad, True, 0.3,
-                           0.0, 0, "cpp"))
+                           0.0, 0, False))
 
 
 def test_float16_cpp():
@@ -443,7 +443,7 @@ def test_float16_cpp():
 # ---------------------------------------------------------------------------------------------
 def _need_cpp_cuda():
     """On a GPU with a CUDA torch the extension must have its CUDA kernels: a failed build fails."""
-    reason = _dispatch._unavailable_reason("cpp", torch.device("cuda"), torch.float16, "attention")
+    reason = _backends.unavailable_reason("cpp", torch.device("cuda"), torch.float16, "attention")
     if reason is not None:
         pytest.fail(f"the C++ backend has no CUDA attention here: {reason}")
 
@@ -469,7 +469,7 @@ def test_gpu_cpp_cuda_dropout_drops_what_the_cpu_kernel_drops(is_causal):
     q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
     pad = random_key_padding(B, Nk)
     scale = D ** -0.5
-    fwd, bwd = attention_module._attention_forward, attention_module._attention_backward
+    fwd, bwd = kernel_attention_forward, kernel_attention_backward
     eye = torch.eye(Nk).expand(B, Hk, Nk, Nk)
     kept_cpu = fwd(q, k, eye, None, pad, is_causal, scale, p, seed, "cpp")[0] != 0
     kept_gpu = fwd(q.cuda(), k.cuda(), eye.cuda(), None, pad.cuda(), is_causal, scale, p, seed, "cpp")[0] != 0

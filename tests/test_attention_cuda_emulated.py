@@ -8,11 +8,11 @@ import platform
 import pytest
 import torch
 
-from transformer_fast import _dispatch, reference
+import transformer_fast as tf
+from transformer_fast import _backends, _build, reference
 from transformer_fast import attention as attention_module
-from transformer_fast._validation import broadcast_attn_mask, check_key_padding_mask
 
-from attention_cases import (check_attention, check_value_gradient, inside_nan, make_qkv, random_attn_mask,
+from attention_cases import (kernel_attention_backward, kernel_attention_forward, check_attention, check_value_gradient, inside_nan, make_qkv, random_attn_mask,
                              random_key_padding)
 from helpers import compare_with_reference
 
@@ -30,7 +30,7 @@ def emulation():
     from torch.utils import cpp_extension
 
     sources = [os.path.join(HERE, "cuda_emulation.cpp")]
-    build_dir = _dispatch.build_directory(os.path.realpath(HERE), prefix="cuda-emulation-")
+    build_dir = _build.build_directory(os.path.realpath(HERE), prefix="cuda-emulation-")
     return cpp_extension.load(name="transformer_fast_cuda_emulation", sources=sources, extra_include_paths=[CSRC],
                               extra_cflags=EMULATION_CFLAGS, build_directory=build_dir)
 
@@ -56,11 +56,9 @@ class _Emulated(torch.autograd.Function):
 def emulated_attention(ext, tiles=(32, 32, 32), dropout_p=0.0, seed=0):
     """tf.scaled_dot_product_attention's signature, through the emulated CUDA kernels; tiles: the
     forward's key tile, dQ's key tile and dK/dV's query tile (32, 16 or 8 on a GPU, by shared memory)."""
-    def attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, key_padding_mask=None):
-        B, H, Nq, D = q.shape
-        mask = broadcast_attn_mask(attn_mask, (B, H, Nq, k.shape[2]), q)
-        pad = check_key_padding_mask(key_padding_mask, B, k.shape[2], q)
-        scale = D ** -0.5 if scale is None else scale
+    def attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=True, key_padding_mask=None):
+        q, k, v, mask, pad, scale, _ = tf._C.attention_args(q, k, v, attn_mask, dropout_p, bool(is_causal), scale,
+                                                            bool(enable_gqa), key_padding_mask)
         return _Emulated.apply(ext, q, k, v, mask, pad, bool(is_causal), float(scale), dropout_p, seed, tiles)
     return attention
 
@@ -171,7 +169,7 @@ def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
     """With the same seed the CUDA kernels drop the same probabilities as the CPU kernel (one hash,
     csrc/attention.h), in the forward and when the backward regenerates the mask. (The CPU
     kernel's dropout is checked against the reference with its recovered mask in test_attention.py.)"""
-    reason = _dispatch.available_backends()["cpp"]
+    reason = _backends.available_backends()["cpp"]
     if reason is not None:
         pytest.skip(f"C++ backend unavailable: {reason}")
     B, H, Hk, Nq, Nk, D, p, seed = 2, 2, 1, 19, 37, 24, 0.3, 4321
@@ -180,17 +178,17 @@ def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
     scale = D ** -0.5
     # With v = identity the output is the dropped probabilities themselves: the same zeros.
     eye = torch.eye(Nk).expand(B, Hk, Nk, Nk)
-    kept_cpu = attention_module._attention_forward(q, k, eye, None, pad, is_causal, scale, p, seed, "cpp")[0] != 0
+    kept_cpu = kernel_attention_forward(q, k, eye, None, pad, is_causal, scale, p, seed, "cpp")[0] != 0
     kept_emu = emulation.forward(q, k, eye, None, pad, is_causal, scale, p, seed, 16)[0] != 0
     assert torch.equal(kept_emu, kept_cpu)
     allowed = ~pad[:, None, None, :] & (torch.ones(Nq, Nk, dtype=torch.bool).tril() if is_causal else True)
     assert abs(kept_emu[allowed.expand_as(kept_emu)].float().mean().item() - (1 - p)) < 0.05
-    out_cpu, lse_cpu = attention_module._attention_forward(q, k, v, None, pad, is_causal, scale, p, seed, "cpp")
+    out_cpu, lse_cpu = kernel_attention_forward(q, k, v, None, pad, is_causal, scale, p, seed, "cpp")
     out_emu, lse_emu = emulation.forward(q, k, v, None, pad, is_causal, scale, p, seed, 16)
     torch.testing.assert_close(out_emu, out_cpu, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse_emu, lse_cpu, rtol=1e-6, atol=1e-6)
     dout = torch.randn_like(out_cpu)
-    grads_cpu = attention_module._attention_backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p,
+    grads_cpu = kernel_attention_backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p,
                                                      seed, "cpp")
     grads_emu = emulation.backward(dout, q, k, v, out_cpu, lse_cpu, None, pad, is_causal, scale, p, seed, False, 32,
                                    16)
@@ -221,17 +219,17 @@ def test_mask_gradient(emulation):
 def test_mask_gradient_with_dropout_matches_the_cpu_kernel(emulation):
     """With dropout, the dS the CUDA dQ kernel writes is the CPU kernel's (one dropout hash; the CPU
     kernel's dS is checked against float64 with its recovered keep mask in test_attention_mask_grad.py)."""
-    reason = _dispatch.available_backends()["cpp"]
+    reason = _backends.available_backends()["cpp"]
     if reason is not None:
         pytest.skip(f"C++ backend unavailable: {reason}")
     B, H, Hk, Nq, Nk, D, p, seed, scale = 2, 2, 1, 19, 37, 24, 0.3, 4321, 0.2
     q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
-    mask = broadcast_attn_mask(random_attn_mask((H, Nq, Nk), "float"), (B, H, Nq, Nk), q)
+    mask = random_attn_mask((H, Nq, Nk), "float").expand(B, H, Nq, Nk)
     pad = random_key_padding(B, Nk)
     args = (mask, pad, True, scale, p, seed)
-    out, lse = attention_module._attention_forward(q, k, v, *args, "cpp")
+    out, lse = kernel_attention_forward(q, k, v, *args, "cpp")
     dout = torch.randn_like(out)
-    grads_cpu = attention_module._attention_backward(dout, q, k, v, out, lse, *args, "cpp", True)
+    grads_cpu = kernel_attention_backward(dout, q, k, v, out, lse, *args, "cpp", True)
     grads_emu = emulation.backward(dout, q, k, v, out, lse, *args, True, 16, 8)
     assert grads_cpu[3].abs().sum() > 0
     for name, a, b in zip(("dq", "dk", "dv", "dmask"), grads_emu, grads_cpu):

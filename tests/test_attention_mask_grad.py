@@ -11,7 +11,8 @@ import transformer_fast as tf
 from transformer_fast import attention as attention_module
 from transformer_fast import reference
 
-from attention_cases import make_qkv, random_attn_mask, random_key_padding
+from attention_cases import (kernel_attention_backward, kernel_attention_forward, make_qkv, random_attn_mask,
+                             random_key_padding)
 from helpers import compare_with_reference
 
 # (backend, dtype, C++ product path: see test_attention.py's PACK_MIN_ROWS)
@@ -116,7 +117,7 @@ def _keep_mask(backend, B, H, Hk, Nq, Nk, pad, is_causal, scale, p, seed):
     (out = P * keep / (1 - p), with P > 0 on every allowed pair), and where pairs are allowed."""
     q, k, _ = make_qkv(B, H, Nq, Nk, 16, Hk=Hk)
     eye = torch.eye(Nk).expand(B, Hk, Nk, Nk)
-    fwd = attention_module._attention_forward
+    fwd = kernel_attention_forward
     keep = fwd(q, k, eye, None, pad, is_causal, scale, p, seed, backend)[0] != 0
     allowed = fwd(q, k, eye, None, pad, is_causal, scale, 0.0, 0, backend)[0] != 0
     return keep, allowed
@@ -135,9 +136,9 @@ def test_kernel_writes_ds(backend, dropout_p):
     mask = _bias((H, Nq, Nk), torch.float32).expand(B, H, Nq, Nk)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
     args = (mask, pad, is_causal, scale, dropout_p, seed, backend)
-    out, lse = attention_module._attention_forward(q, k, v, *args)
+    out, lse = kernel_attention_forward(q, k, v, *args)
     dout = torch.randn_like(out)
-    dq, dk, dv, dmask = attention_module._attention_backward(dout, q, k, v, out, lse, *args, True)
+    dq, dk, dv, dmask = kernel_attention_backward(dout, q, k, v, out, lse, *args, True)
     keep = None
     if dropout_p > 0:
         keep, allowed = _keep_mask(backend, B, H, Hk, Nq, Nk, pad, is_causal, scale, dropout_p, seed)
@@ -156,7 +157,7 @@ def test_kernel_writes_ds(backend, dropout_p):
                                rtol=1e-4, atol=1e-5)
     dk_expected = (expected.transpose(-1, -2) @ q.double() * scale).unflatten(1, (Hk, g)).sum(2)
     torch.testing.assert_close(dk.double(), dk_expected, rtol=1e-4, atol=1e-5)
-    without = attention_module._attention_backward(dout, q, k, v, out, lse, *args)
+    without = kernel_attention_backward(dout, q, k, v, out, lse, *args)
     assert without[3].numel() == 0
     for a, b in zip(without[:3], (dq, dk, dv)):
         assert torch.equal(a, b)
@@ -181,7 +182,7 @@ def test_mask_gradient_with_dropout(backend, dtype):
                                                enable_gqa=True, key_padding_mask=pad, backend=backend)
 
     torch.manual_seed(seed)
-    drawn = attention_module._dropout_seed(p)
+    drawn = tf.attention._dropout_seed(p)
     keep, allowed = _keep_mask(backend, B, H, Hk, Nq, Nk, pad, is_causal, D ** -0.5, p, drawn)
     assert abs(keep[allowed].float().mean().item() - (1 - p)) < 0.07
 
@@ -201,11 +202,11 @@ def test_opcheck_backward_with_dmask():
     mask = random_attn_mask((H, Nq, Nk), "float").expand(B, H, Nq, Nk)
     pad = random_key_padding(B, Nk)
     ops = torch.ops.transformer_fast
-    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.2, 7, "cpp")
+    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.2, 7)
     dout = torch.randn_like(out)
     for compute_dmask in (True, False):
         torch.library.opcheck(ops.attention_backward,
-                              (dout, q, k, v, out, lse, mask, pad, True, 0.3, 0.2, 7, "cpp", compute_dmask))
+                              (dout, q, k, v, out, lse, mask, pad, True, 0.3, 0.2, 7, compute_dmask))
 
 
 # ---------------------------------------------------------------------------------------------

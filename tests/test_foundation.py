@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_fast as tf
-from transformer_fast import _build_config, _dispatch, reference
+from transformer_fast import reference
 
 
 def test_kernels_installed_inside_the_package_only(tmp_path):
@@ -36,9 +36,9 @@ def test_non_editable_install_has_no_top_level_kernels(tmp_path):
                             env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info")) == ["transformer_fast"]
-    code = ("import transformer_fast.kernels, transformer_fast._dispatch as d, os; "
+    code = ("import transformer_fast.kernels, transformer_fast._build as b, os; "
             "assert transformer_fast.kernels.__file__.startswith(os.environ['PYTHONPATH']); "
-            "assert d._csrc_dir().startswith(os.environ['PYTHONPATH']); print('OK')")
+            "assert b._csrc_dir().startswith(os.environ['PYTHONPATH']); print('OK')")
     result = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(target)),
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
@@ -52,120 +52,6 @@ def test_available_backends_reports_reasons():
         assert reason is None or isinstance(reason, str) and reason
 
 
-def test_select_backend():
-    cpu = torch.device("cpu")
-    assert _dispatch.select_backend(cpu, torch.float64, "auto") == "reference"  # no float64 kernels
-    assert _dispatch.select_backend(cpu, torch.float32, "reference") == "reference"
-    if tf.available_backends()["cpp"] is None:
-        assert _dispatch.select_backend(cpu, torch.float32, "auto") == "cpp"
-    with pytest.raises(ValueError, match="backend must be one of"):
-        _dispatch.select_backend(cpu, torch.float32, "cuda-magic")
-    with pytest.raises(RuntimeError, match="unavailable"):
-        _dispatch.select_backend(cpu, torch.float64, "cpp")
-
-
-def test_cpp_backend_on_cuda_tensors_only_for_its_cuda_families():
-    """The C++ extension takes CUDA tensors for the families it was built with CUDA kernels for
-    (attention, where torch has CUDA), and names them when it cannot."""
-    module, reason = _dispatch._load_cpp()
-    if reason is not None:
-        pytest.skip(f"cpp backend unavailable: {reason}")
-    cuda = torch.device("cuda")
-    families = module.cuda_families()
-    assert set(families) <= {"attention"}
-    assert families == (["attention"] if _build_config.with_cuda() else [])
-    for family in ("attention", "layer_norm", "linear_attention"):
-        reason = _dispatch._unavailable_reason("cpp", cuda, torch.float16, family)
-        if family in families:
-            assert reason is None
-        else:
-            assert "CPU tensors only" in reason and (", ".join(families) or "none in this build") in reason
-    assert _dispatch._unavailable_reason("cpp", cuda, torch.float16, None) is not None
-
-
-def test_backend_environment_variable(monkeypatch):
-    monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")
-    assert _dispatch.select_backend(torch.device("cpu"), torch.float32, "auto") == "reference"
-
-
-def test_run_op_takes_the_custom_op_only_where_something_depends_on_it():
-    """run_op calls the op's function directly for plain eager calls without autograd, its eager
-    autograd.Function where autograd must record the call, and the op itself otherwise."""
-    def op(*args):
-        return "op"
-
-    def fn(*args):
-        return "fn"
-
-    def eager(*args):
-        return "eager"
-
-    x = torch.randn(3)
-    leaf = torch.randn(3, requires_grad=True)
-    param = torch.nn.Parameter(torch.randn(3))
-    assert _dispatch.run_op(op, fn, x, None, 1.0, autograd=eager) == "fn"
-    assert _dispatch.run_op(op, fn, x, leaf, autograd=eager) == "eager"
-    assert _dispatch.run_op(op, fn, param, autograd=eager) == "eager"
-    assert _dispatch.run_op(op, fn, x, leaf) == "op"  # no eager autograd given: the op's own
-    with torch.no_grad():
-        assert _dispatch.run_op(op, fn, x, leaf, param, autograd=eager) == "fn"
-    with torch.inference_mode():
-        assert _dispatch.run_op(op, fn, x, autograd=eager) == "fn"
-
-    class Sub(torch.Tensor):
-        pass
-
-    with torch.no_grad():
-        assert _dispatch.run_op(op, fn, x.as_subclass(Sub), autograd=eager) == "op"
-    assert torch.func.vmap(lambda t: torch.full((), float(_dispatch.run_op(op, fn, t, autograd=eager) == "op")))(
-        torch.randn(2, 3)).tolist() == [1.0, 1.0]
-    import torch.autograd.forward_ad as fwAD
-    with fwAD.dual_level():
-        assert _dispatch.run_op(op, fn, fwAD.make_dual(x, torch.randn(3)), autograd=eager) == "op"
-
-
-def test_every_call_path_gives_the_same_results():
-    """No grad (the function called directly), eager autograd (eager_autograd's Function) and the
-    custom op with its registered autograd give bit-identical outputs and gradients."""
-    attention = sys.modules["transformer_fast.attention"]
-    norm = sys.modules["transformer_fast.layer_norm"]
-    linear = sys.modules["transformer_fast.linear_attention"]
-    q, k, v = (torch.randn(2, 3, 17, 24) for _ in range(3))
-    x, r, w = torch.randn(5, 40), torch.randn(5, 40), torch.randn(40)
-    pad = torch.zeros(2, 17, dtype=torch.bool)
-    pad[1, 11:] = True
-    cases = [  # (custom op, its function, eager Function, arguments, differentiable argument positions)
-        (attention._attention_forward_op, attention._attention_forward, attention._attention_forward_eager,
-         (q, k, v, None, pad, True, 0.3, 0.0, 0, "cpp"), (0, 1, 2)),
-        (linear._linear_attention_forward_op, linear._linear_attention_forward, linear._linear_attention_forward_eager,
-         (q, k, v, pad, True, 1e-6, "cpp"), (0, 1, 2)),
-        (norm._layer_norm_forward_op, norm._layer_norm_forward, norm._layer_norm_forward_eager,
-         (x, r, w, None, 1e-5, False, "cpp"), (0, 1, 2)),
-        (norm._layer_norm_forward_op, norm._layer_norm_forward, norm._layer_norm_forward_eager,
-         (x, None, w, None, 1e-5, True, "cpp"), (0, 2)),
-    ]
-    for op, fn, eager, args, diff in cases:
-        def prepared():
-            return [a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) and
-                    a.is_floating_point() else a for i, a in enumerate(args)]
-
-        def first(out):
-            return out[0] if isinstance(out, tuple) else out
-
-        with torch.no_grad():
-            direct = first(_dispatch.run_op(op, fn, *prepared(), autograd=eager))
-        results = []
-        for call in (lambda a: _dispatch.run_op(op, fn, *a, autograd=eager), lambda a: op(*a)):
-            a = prepared()
-            out = first(call(a))
-            dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
-            out.backward(dout)
-            results.append([out.detach()] + [a[i].grad for i in diff])
-        assert torch.equal(direct, results[0][0]), op
-        for got, expected in zip(results[0], results[1]):
-            assert torch.equal(got, expected), op
-
-
 def test_jit_trace_records_the_op():
     """torch.jit.trace must record the op (without grad too), not bake its output into the graph."""
     def fn(x, w):
@@ -177,26 +63,6 @@ def test_jit_trace_records_the_op():
         traced = torch.jit.trace(fn, (x, w), check_trace=False)
         other = torch.randn(4, 16)
         torch.testing.assert_close(traced(other, w), fn(other, w))
-
-
-def test_dispatch_modes_see_the_op():
-    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) sees our op, not the ATen calls
-    inside the kernel, also where the call would otherwise skip the op (no grad)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    x, w = torch.randn(4, 16), torch.randn(16)
-    with torch.no_grad(), Recorder() as recorder:
-        tf.layer_norm(x, (16,), w)
-    assert any("transformer_fast.layer_norm_forward" in name for name in recorder.seen), recorder.seen
 
 
 def test_torch_compile_no_grad_keeps_the_op():
@@ -316,31 +182,6 @@ def test_linear_attention_step_rejects_bad_state():
         tf.linear_attention_step(q[:1], q[:1], q[:1], state)
 
 
-# ------------------------------------------------------------------------------------------
-# torch.library registration of every op
-# ------------------------------------------------------------------------------------------
-def _op_cases(backend):
-    q, k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(3))
-    pad = torch.tensor([[False] * 5, [False, False, True, True, True]])
-    x, r = torch.randn(6, 16, requires_grad=True), torch.randn(6, 16, requires_grad=True)
-    w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
-    ops = torch.ops.transformer_fast
-    return [
-        (ops.attention_forward, (q, k, v, None, pad, True, 0.3, 0.0, 0, backend)),
-        (ops.layer_norm_forward, (x, r, w, b, 1e-5, False, backend)),
-        (ops.layer_norm_forward, (x, None, w, None, 1e-5, True, backend)),
-        (ops.linear_attention_forward, (q, k, v, pad, True, 1e-6, backend)),
-    ]
-
-
-@pytest.mark.parametrize("backend", ["reference", "cpp"])
-def test_opcheck(backend):
-    if tf.available_backends()[backend] is not None:
-        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
-    for op, args in _op_cases(backend):
-        torch.library.opcheck(op, args)
-
-
 def test_gpu_compile_check_runs_every_config(tmp_path):
     """Every Triton kernel config compiles to sm_80 and sm_90 cubins (no GPU needed)."""
     pytest.importorskip("triton")
@@ -378,24 +219,3 @@ def test_import_without_triton(tmp_path):
             "print('OK')")
     result = _run_python(code, tmp_path)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
-
-
-def test_without_compiler_falls_back_to_reference_with_one_warning(tmp_path):
-    """No prebuilt extension and a JIT build that cannot compile: CPU tensors use the reference,
-    and the package says so once, naming the cause."""
-    code = ("import sys, warnings; sys.modules['transformer_fast._C'] = None\n"
-            "import torch, transformer_fast as tf\n"
-            "with warnings.catch_warnings(record=True) as caught:\n"
-            "    warnings.simplefilter('always')\n"
-            "    q = torch.randn(1, 2, 3, 8)\n"
-            "    out = [tf.scaled_dot_product_attention(q, q, q) for _ in range(3)]\n"
-            "    x = tf.layer_norm(q, (8,))\n"
-            "messages = [str(w.message) for w in caught if 'C++ backend is unavailable' in str(w.message)]\n"
-            "assert len(messages) == 1, messages\n"
-            "assert 'Cause:' in messages[0]\n"
-            "assert tf.available_backends()['cpp'] is not None\n"
-            "torch.testing.assert_close(out[0], torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
-            "print('OK')")
-    result = _run_python(code, tmp_path, {"CXX": "/nonexistent/c++", "CC": "/nonexistent/cc",
-                                          "TRANSFORMER_FAST_CACHE": str(tmp_path / "cache")})
-    assert result.returncode == 0 and "OK" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]

@@ -159,9 +159,9 @@ def test_offset_much_larger_than_spread(backend, width):
 def test_cpp_statistics_of_large_offset():
     """mean and rstd themselves, against float64 (the first element an outlier, too)."""
     _skip_unavailable("cpp")
-    from transformer_fast import _dispatch
+    from transformer_fast import _build
 
-    C = _dispatch.cpp_extension()
+    C = _build.extension()
     for width in (1, 15, 16, 17, 1000, 65536):
         x = torch.randn(3, width) * 0.5 + 1e4
         x[1, 0] = 2e4  # an outlier where the kernel takes its shift
@@ -392,25 +392,23 @@ def test_bad_inputs_raise_clear_errors():
         tf.LayerNorm(5)(x)
 
 
-def _op_cases(backend, dtype=torch.float32):
+def _op_cases(dtype=torch.float32):
     x, r = torch.randn(6, 40, dtype=dtype, requires_grad=True), torch.randn(6, 40, dtype=dtype, requires_grad=True)
     w = torch.randn(40, dtype=dtype, requires_grad=True)
     b = torch.randn(40, dtype=dtype, requires_grad=True)
     xs = torch.randn(6, 50, dtype=dtype)[:, 5:45].requires_grad_()  # row stride 50
     ops = torch.ops.transformer_fast
     return [
-        (ops.layer_norm_forward, (x, r, w, b, 1e-5, False, backend)),
-        (ops.layer_norm_forward, (x, None, w, None, 1e-5, False, backend)),
-        (ops.layer_norm_forward, (x, None, None, b, 1e-5, False, backend)),
-        (ops.layer_norm_forward, (xs, r, None, None, 1e-5, True, backend)),
-        (ops.layer_norm_forward, (x, r, w, None, 1e-6, True, backend)),
+        (ops.layer_norm_forward, (x, r, w, b, 1e-5, False)),
+        (ops.layer_norm_forward, (x, None, w, None, 1e-5, False)),
+        (ops.layer_norm_forward, (x, None, None, b, 1e-5, False)),
+        (ops.layer_norm_forward, (xs, r, None, None, 1e-5, True)),
+        (ops.layer_norm_forward, (x, r, w, None, 1e-6, True)),
     ]
 
 
-@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
-def test_opcheck(backend):
-    _skip_unavailable(backend)
-    dtypes = (torch.float32, torch.bfloat16) if backend == "cpp" else (torch.float32,)
-    for dtype in dtypes:
-        for op, args in _op_cases(backend, dtype):
-            torch.library.opcheck(op, args)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    """The kernel op on the CPU (the dispatcher's C++ kernel): schema, fake kernel, autograd, AOT."""
+    for op, args in _op_cases(dtype):
+        torch.library.opcheck(op, args)

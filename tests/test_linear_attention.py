@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import transformer_fast as tf
-from transformer_fast import _dispatch, reference
+from transformer_fast import _backends, _build, reference
 
 from attention_cases import make_qkv
 from helpers import compare_with_reference
@@ -95,10 +95,10 @@ def test_cpp_kernel_in_float64_is_exact(is_causal):
     q, k, v = make_qkv(2, 2, 200, 200, 24, 40, dtype=torch.float64, layout="bnhd")
     mask = random_padding(2, 200, fully_padded_row=1)
     dout = torch.randn(2, 2, 200, 40, dtype=torch.float64)
-    fwd = _dispatch.kernel("linear_attention_forward", "cpp")
-    bwd = _dispatch.kernel("linear_attention_backward", "cpp")
-    ref_fwd = _dispatch.kernel("linear_attention_forward", "reference")
-    ref_bwd = _dispatch.kernel("linear_attention_backward", "reference")
+    fwd = _backends.kernel("linear_attention_forward", "cpp")
+    bwd = _backends.kernel("linear_attention_backward", "cpp")
+    ref_fwd = _backends.kernel("linear_attention_forward", "reference")
+    ref_bwd = _backends.kernel("linear_attention_backward", "reference")
     torch.testing.assert_close(fwd(q, k, v, mask, is_causal, 1e-6), ref_fwd(q, k, v, mask, is_causal, 1e-6),
                                rtol=1e-10, atol=1e-12)
     for got, want in zip(bwd(dout, q, k, v, mask, is_causal, 1e-6), ref_bwd(dout, q, k, v, mask, is_causal, 1e-6)):
@@ -181,23 +181,22 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
+def test_opcheck():
+    """The kernel ops on the CPU (the dispatcher's C++ kernels): schema, fake kernel, autograd, AOT."""
     q, k, v = (torch.randn(2, 2, 7, 8, requires_grad=True) for _ in range(3))
     v_wide = torch.randn(2, 2, 9, 12, requires_grad=True)
     pad = torch.tensor([[False] * 7, [False, True, False, True, True, False, True]])
     ops = torch.ops.transformer_fast
-    torch.library.opcheck(ops.linear_attention_forward, (q, k, v, pad, True, 1e-6, backend))
+    torch.library.opcheck(ops.linear_attention_forward, (q, k, v, pad, True, 1e-6))
     torch.library.opcheck(ops.linear_attention_forward, (q, k[:, :, :5].detach().requires_grad_(), v_wide[:, :, :5],
-                                                         None, False, 1e-3, backend))
+                                                         None, False, 1e-3))
     dout = torch.randn(2, 2, 7, 8)
-    torch.library.opcheck(ops.linear_attention_backward, (dout, q.detach(), k.detach(), v.detach(), pad, False, 1e-6,
-                                                          backend))
+    torch.library.opcheck(ops.linear_attention_backward, (dout, q.detach(), k.detach(), v.detach(), pad, False, 1e-6))
     q_t, k_t, v_t = make_qkv(2, 2, 7, 7, 8, 8, layout="bnhd")  # transposed views: outputs are still contiguous
     torch.library.opcheck(ops.linear_attention_forward, (q_t.requires_grad_(), k_t.requires_grad_(),
-                                                         v_t.requires_grad_(), pad, True, 1e-6, backend))
+                                                         v_t.requires_grad_(), pad, True, 1e-6))
     torch.library.opcheck(ops.linear_attention_backward, (dout, q_t.detach(), k_t.detach(), v_t.detach(), None, True,
-                                                          1e-6, backend))
+                                                          1e-6))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -235,7 +234,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON))
 def test_cpp_kernel_checks_its_arguments():
     """Direct calls of the extension (bypassing the public checks) fail with a message, not a crash."""
-    fwd = _dispatch.kernel("linear_attention_forward", "cpp")
+    fwd = _backends.kernel("linear_attention_forward", "cpp")
     q, k, v = make_qkv(1, 1, 4, 4, 8, 8)
     with pytest.raises(RuntimeError, match="key_padding_mask must be a bool"):
         fwd(q, k, v, torch.zeros(1, 4), False, 1e-6)

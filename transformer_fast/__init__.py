@@ -4,13 +4,24 @@ Every kernel exists in Triton (CUDA), in a C++ extension (CPU) and as a plain Py
 ``available_backends()`` says which work here and why not. The functions are drop-ins for their
 ``torch.nn.functional`` counterparts, the modules for their ``torch.nn`` ones.
 """
-from ._dispatch import available_backends
-from .attention import scaled_dot_product_attention
-from .layer_norm import layer_norm, rms_norm
-from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step
-from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
-                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
-from .convert import convert
+from . import _build
+
+_C, _reason = _build.load()
+if _C is None:
+    raise ImportError(f"transformer_fast needs its C++ extension, which registers the ops: {_reason}")
+
+from . import _composite, _device_kernels  # noqa: E402
+from ._backends import available_backends  # noqa: E402
+from .attention import scaled_dot_product_attention  # noqa: E402
+from .layer_norm import layer_norm, rms_norm  # noqa: E402
+from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
+from .modules import (  # noqa: E402
+    LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
+    TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
+from .convert import convert  # noqa: E402
+
+_composite.register()
+_device_kernels.register()
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,8 @@ import os
 import platform
 
 # One translation unit per kernel family plus the bindings: the build is ~30 s a file on two cores.
-SOURCES = ("attention.cpp", "layer_norm.cpp", "linear_attention.cpp", "bindings.cpp")
+SOURCES = ("schemas.cpp", "attention.cpp", "attention_op.cpp", "layer_norm.cpp", "layer_norm_op.cpp",
+           "linear_attention.cpp", "linear_attention_op.cpp", "bindings.cpp")
 # CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
 CUDA_SOURCES = ("attention_cuda.cu",)
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"

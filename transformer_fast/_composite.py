@@ -1,5 +1,4 @@
-"""Each op written as differentiable plain-torch code, with the kernel-level signatures of the op
-functions (``backend`` is accepted and ignored).
+"""Each op written as differentiable plain-torch code, with the kernel-level signatures.
 
 The fused kernels come with first-order backward formulas only. Where those cannot serve, the
 ops run these instead, and torch differentiates them: forward-mode AD (``torch.func.jvp``,
@@ -13,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._reference_kernels import dropout_keep_mask
+from ._plain_torch import dropout_keep_mask
 
 
 def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend=None):
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
     c = _compute_dtype(q)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -56,7 +55,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     return out.to(q.dtype), lse.squeeze(-1).detach().float()
 
 
-def layer_norm_forward(x, residual, weight, bias, eps, is_rms, backend=None):
+def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     h = x if residual is None else x + residual
     c = _compute_dtype(h)
     N = h.shape[-1]
@@ -70,7 +69,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms, backend=None):
     return y.to(h.dtype), (h if residual is not None else h.new_empty(0)), empty, empty
 
 
-def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, backend=None):
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
     c = _compute_dtype(q)
     phi_q, phi_k = F.elu(q.to(c)) + 1, F.elu(k.to(c)) + 1
     weights = torch.matmul(phi_q, phi_k.transpose(-2, -1))
@@ -106,3 +105,46 @@ def backward(composite, args, differentiable, grads):
     for i, g in zip(wanted, found):
         result[i] = g
     return result
+
+
+# The first-order gradients of each op as a differentiable graph: the implementations of the
+# *_backward_composite ops, which the ops' autograd kernels call under create_graph=True.
+def _or_zeros(grad, like):
+    if grad is not None:
+        return grad
+    return torch.zeros_like(like) if like is not None else torch.empty(0)
+
+
+def attention_backward(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale):
+    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, 0)
+    grads = backward(attention_forward, args, (0, 1, 2, 3), (dout, None))
+    return tuple(_or_zeros(g, a) for g, a in zip(grads[:4], args[:4]))
+
+
+def layer_norm_backward(dy, h, weight, bias, eps, is_rms):
+    """(dx, dweight, dbias) through the saved normalised input h (x + residual, itself the op's
+    output: torch differentiates through it back to x and the residual)."""
+    args = (h, None, weight, bias, eps, is_rms)
+    dx, _, dweight, dbias = backward(layer_norm_forward, args, (0, 2, 3), (dy, None, None, None))[:4]
+    return _or_zeros(dx, h), _or_zeros(dweight, weight), _or_zeros(dbias, bias)
+
+
+def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
+    args = (q, k, v, key_padding_mask, is_causal, eps)
+    grads = backward(linear_attention_forward, args, (0, 1, 2), (dout,))
+    return tuple(_or_zeros(g, a) for g, a in zip(grads[:3], args[:3]))
+
+
+def register():
+    """Registers the functions above as the *_backward_composite ops' kernels (once)."""
+    global _library
+    if _library is not None:
+        return
+    _library = torch.library.Library("transformer_fast", "IMPL")
+    for name, fn in (("attention_backward_composite", attention_backward),
+                     ("layer_norm_backward_composite", layer_norm_backward),
+                     ("linear_attention_backward_composite", linear_attention_backward)):
+        _library.impl(name, fn, "CompositeImplicitAutograd")
+
+
+_library = None

@@ -21,108 +21,31 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import torch
 
-from . import _composite, _dispatch
-from ._validation import (broadcast_attn_mask, check_dim, check_head_dim, check_key_padding_mask,
-                          check_same, check_tensor)
+from . import _backends, _build, _explicit
+from ._backends import KERNEL_DTYPES
+from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+
+_C, _ = _build.load()
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops: the backend is resolved by the caller and passed in, so the backward runs the
-# same backend as the forward.
+# Fake implementations (shapes only: torch.compile, FakeTensorMode, the meta device)
 # --------------------------------------------------------------------------------------------
-def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       attn_mask: Optional[torch.Tensor], key_padding_mask: Optional[torch.Tensor],
-                       is_causal: bool, scale: float, dropout_p: float, seed: int,
-                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    B, H, Nq, _ = q.shape
-    if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
-        out = q.new_zeros(B, H, Nq, v.shape[-1])
-        return out, torch.full((B, H, Nq), float("inf"), dtype=torch.float32, device=q.device)
-    return _dispatch.kernel("attention_forward", backend)(
-        q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
-
-
-_attention_forward_op = torch.library.custom_op(
-    "transformer_fast::attention_forward", _attention_forward, mutates_args=())
-
-
-@_attention_forward_op.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+@torch.library.register_fake("transformer_fast::attention_forward")
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
 
 
-def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                        key_padding_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-                        dropout_p: float, seed: int, backend: str, compute_dmask: bool = False,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dmask); dmask is the score gradient dS (B, H, Nq, Nk) when compute_dmask,
-    else an empty tensor (custom ops cannot return None)."""
-    B, H, Nq, _ = q.shape
-    if Nq == 0 or k.shape[2] == 0:
-        dmask = q.new_zeros(B, H, Nq, k.shape[2]) if compute_dmask else q.new_empty(0)
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
-    dq, dk, dv, dmask = _dispatch.kernel("attention_backward", backend)(
-        dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask)
-    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
-
-
-_attention_backward_op = torch.library.custom_op(
-    "transformer_fast::attention_backward", _attention_backward, mutates_args=())
-
-
-@_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend,
-      compute_dmask=False):
+@torch.library.register_fake("transformer_fast::attention_backward")
+def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask):
     # The kernels return contiguous gradients (whatever the inputs' strides).
     B, H, Nq, _ = q.shape
     dmask = q.new_empty(B, H, Nq, k.shape[2]) if compute_dmask else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
-    ctx.args = (is_causal, scale, dropout_p, seed, backend)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
-        return _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask)
-    # A float attn_mask that requires grad (e.g. a learned position bias): its gradient is the
-    # score gradient dS, which the backward kernels form anyway (with the forward's dropout).
-    # Autograd sums it over the mask's broadcast dims.
-    compute_dmask = bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dmask = _dispatch.run_op(_attention_backward_op, _attention_backward, dout, q, k, v, out, lse,
-                                         attn_mask, key_padding_mask, *ctx.args, compute_dmask)
-    # No gradient for key_padding_mask, the flags or the seed.
-    return dq, dk, dv, dmask if compute_dmask else None, None, None, None, None, None, None
-
-
-def _differentiable_backward(ctx, dout, q, k, v, attn_mask, key_padding_mask):
-    """The gradients as a graph torch can differentiate again, from the composite form; the
-    kernels' dropout pattern cannot be reproduced there, so dropout is refused."""
-    is_causal, scale, dropout_p, seed, backend = ctx.args
-    if dropout_p > 0:
-        raise NotImplementedError("transformer_fast.scaled_dot_product_attention: second derivatives "
-                                  "(create_graph=True) are not supported with dropout_p > 0")
-    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend)
-    grads = _composite.backward(_composite.attention_forward, args, (0, 1, 2, 3), (dout, None))
-    return (*grads[:4], None, None, None, None, None, None)
-
-
-_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
-_attention_forward_eager = _dispatch.eager_autograd(_attention_forward, _setup_context, _backward)
-_dispatch.register_autocast(_attention_forward_op, "attention_forward", "lower", cast_args=(0, 1, 2, 3))
-_dispatch.register_autocast(_attention_backward_op, "attention_backward", "lower")
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,45 +94,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     the backward kernels write the score gradient, (B, H, Nq, Nk) in the mask's dtype, which
     autograd sums over the mask's broadcast dims.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, ndim=(3, 4))
-    if not query.dim() == key.dim() == value.dim():
-        raise ValueError(f"query, key and value must have the same number of dimensions, got shapes "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    if query.dim() == 3:  # (H, N, D): one unbatched sequence
-        if key_padding_mask is not None and key_padding_mask.dim() == 1:
-            key_padding_mask = key_padding_mask[None]
-        return scaled_dot_product_attention(
-            query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            key_padding_mask=key_padding_mask, backend=backend)[0]
-    query, key, value, attn_mask = _dispatch.autocast_inputs("lower", query, key, value, attn_mask)
-    check_same("key", key, "query", query)
-    check_same("value", value, "query", query)
-    B, H, Nq, D = query.shape
-    Hk, Nk = key.shape[1], key.shape[2]
-    check_dim("key", key, 0, B, "batch")
-    check_dim("value", value, 0, B, "batch")
-    check_dim("value", value, 1, Hk, "heads, as key")
-    check_dim("value", value, 2, Nk, "key length, as key")
-    check_dim("key", key, 3, D, "head dim, as query")
-    if Hk != H and not (enable_gqa and Hk > 0 and H % Hk == 0):
-        raise ValueError(f"key has {Hk} heads and query {H}: they must be equal, or pass enable_gqa=True "
-                         f"with key heads dividing query heads")
-    check_head_dim("query", D)
-    check_head_dim("value", value.shape[3])
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    scale = _check_scale(scale)
-    attn_mask = broadcast_attn_mask(attn_mask, (B, H, Nq, Nk), query)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
-
-    # The kernels need a unit stride along the head dim; any other stride is passed through as is.
-    query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-                         for t in (query, key, value))
-    backend = _dispatch.select_backend(query.device, query.dtype, backend, "attention")
-    scale = float(D ** -0.5 if scale is None else scale)
-    out, _ = _dispatch.run_op(_attention_forward_op, _attention_forward, query, key, value, attn_mask,
-                              key_padding_mask, bool(is_causal), scale, float(dropout_p),
-                              _dropout_seed(dropout_p), backend, autograd=_attention_forward_eager,
-                              composite=_composite.attention_forward)
-    return out
+    if scale is not None and type(scale) is not float:
+        scale = _check_scale(scale)
+    seed = _dropout_seed(dropout_p) if dropout_p else 0
+    if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
+            and type(attn_mask) in TENSOR_OR_NONE and type(key_padding_mask) in TENSOR_OR_NONE
+            and query.dtype in KERNEL_DTYPES and direct()):
+        return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale,
+                                               bool(enable_gqa), key_padding_mask, seed)
+    check_tensors(query=query, key=key, value=value)
+    transformed = _explicit.differentiable_forms_needed()
+    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
+    if explicit is None and not transformed:
+        return torch.ops.transformer_fast.scaled_dot_product_attention(
+            query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
+            key_padding_mask=key_padding_mask, seed=seed)
+    q, k, v, attn_mask, key_padding_mask, scale, unbatched = _C.attention_args(
+        query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), key_padding_mask)
+    out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, bool(is_causal), scale,
+                              float(dropout_p), seed)
+    return out[0] if unbatched else out

@@ -12,73 +12,29 @@ sums). out is (B, H, Nq, Dv) contiguous in q's dtype; the state S, z is kept in 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import _composite, _dispatch
-from ._validation import check_dim, check_head_dim, check_key_padding_mask, check_same, check_tensor
+from . import _backends, _build, _explicit
+from ._backends import KERNEL_DTYPES
+from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+from ._validation import check_same, check_tensor
+
+_C, _ = _build.load()
 
 
-def _linear_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
-                              backend: str) -> torch.Tensor:
-    B, H, Nq, _ = q.shape
-    if Nq == 0 or k.shape[2] == 0:  # empty sums: out = 0 / eps = 0
-        return q.new_zeros(B, H, Nq, v.shape[-1])
-    return _dispatch.kernel("linear_attention_forward", backend)(q, k, v, key_padding_mask, is_causal, eps)
-
-
-_linear_attention_forward_op = torch.library.custom_op(
-    "transformer_fast::linear_attention_forward", _linear_attention_forward, mutates_args=())
-
-
-@_linear_attention_forward_op.register_fake
-def _(q, k, v, key_padding_mask, is_causal, eps, backend):
+@torch.library.register_fake("transformer_fast::linear_attention_forward")
+def _(q, k, v, key_padding_mask, is_causal, eps):
     B, H, Nq, _ = q.shape
     return q.new_empty(B, H, Nq, v.shape[-1])
 
 
-def _linear_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               key_padding_mask: Optional[torch.Tensor], is_causal: bool, eps: float,
-                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    return _dispatch.kernel("linear_attention_backward", backend)(dout, q, k, v, key_padding_mask, is_causal, eps)
-
-
-_linear_attention_backward_op = torch.library.custom_op(
-    "transformer_fast::linear_attention_backward", _linear_attention_backward, mutates_args=())
-
-
-@_linear_attention_backward_op.register_fake
-def _(dout, q, k, v, key_padding_mask, is_causal, eps, backend):
+@torch.library.register_fake("transformer_fast::linear_attention_backward")
+def _(dout, q, k, v, key_padding_mask, is_causal, eps):
     # The kernels return contiguous gradients (whatever the inputs' strides).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, key_padding_mask, is_causal, eps, backend = inputs
-    ctx.save_for_backward(q, k, v, key_padding_mask)  # the backward recomputes the state
-    ctx.args = (is_causal, eps, backend)
-
-
-def _backward(ctx, dout):
-    q, k, v, key_padding_mask = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
-        args = (q, k, v, key_padding_mask, *ctx.args)
-        dq, dk, dv = _composite.backward(_composite.linear_attention_forward, args, (0, 1, 2), (dout,))[:3]
-        return dq, dk, dv, None, None, None, None
-    dq, dk, dv = _dispatch.run_op(_linear_attention_backward_op, _linear_attention_backward, dout, q, k, v,
-                                  key_padding_mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None
-
-
-_linear_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
-_linear_attention_forward_eager = _dispatch.eager_autograd(_linear_attention_forward, _setup_context, _backward)
-_dispatch.register_autocast(_linear_attention_forward_op, "linear_attention_forward", "lower", cast_args=(0, 1, 2))
-_dispatch.register_autocast(_linear_attention_backward_op, "linear_attention_backward", "lower")
 
 
 def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, backend="auto"):
@@ -90,33 +46,19 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     j <= i when ``is_causal`` (which needs equal query and key lengths). Layout (B, H, N, D).
     Under ``torch.autocast`` the inputs are cast to the autocast dtype, as for softmax attention.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, ndim=4)
-    query, key, value = _dispatch.autocast_inputs("lower", query, key, value)
-    check_same("key", key, "query", query)
-    check_same("value", value, "query", query)
-    B, H, Nq, D = query.shape
-    Nk = key.shape[2]
-    check_dim("key", key, 0, B, "batch")
-    check_dim("key", key, 1, H, "heads")
-    check_dim("key", key, 3, D, "head dim, as query")
-    check_dim("value", value, 0, B, "batch")
-    check_dim("value", value, 1, H, "heads")
-    check_dim("value", value, 2, Nk, "key length, as key")
-    check_head_dim("query", D)
-    check_head_dim("value", value.shape[3])
-    if is_causal and Nq != Nk:
-        raise ValueError(f"causal linear attention needs equal query and key lengths, got {Nq} and {Nk}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 (it keeps the normaliser away from zero), got {eps}")
-    key_padding_mask = check_key_padding_mask(key_padding_mask, B, Nk, query)
-    query, key, value = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-                         for t in (query, key, value))
-    backend = _dispatch.select_backend(query.device, query.dtype, backend, "linear_attention")
-    return _dispatch.run_op(_linear_attention_forward_op, _linear_attention_forward, query, key, value,
-                            key_padding_mask, bool(is_causal), float(eps), backend,
-                            autograd=_linear_attention_forward_eager,
-                            composite=_composite.linear_attention_forward)
+    if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
+            and type(key_padding_mask) in TENSOR_OR_NONE and query.dtype in KERNEL_DTYPES and direct()):
+        return _C.linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps)
+    check_tensors(query=query, key=key, value=value)
+    transformed = _explicit.differentiable_forms_needed()
+    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype,
+                                                                   "linear_attention")
+    if explicit is None and not transformed:
+        return torch.ops.transformer_fast.linear_attention(query, key, value, bool(is_causal), key_padding_mask,
+                                                           float(eps))
+    q, k, v, key_padding_mask = _C.linear_attention_args(query, key, value, bool(is_causal), key_padding_mask,
+                                                         float(eps))
+    return _explicit.linear_attention(explicit, q, k, v, key_padding_mask, bool(is_causal), float(eps))
 
 
 class LinearAttentionState(NamedTuple):
@@ -136,7 +78,10 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=3)
-    query, key, value = _dispatch.autocast_inputs("lower", query, key, value)
+    device = query.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):  # as linear_attention is cast
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) if t.dtype in KERNEL_DTYPES else t for t in (query, key, value))
     check_same("key", key, "query", query)
     check_same("value", value, "query", query)
     B, H, D = query.shape
@@ -155,7 +100,7 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     phi_k = F.elu(key.to(c)) + 1
     S = state.S + phi_k[..., :, None] * value.to(c)[..., None, :]
     z = state.z + phi_k
-    with _dispatch.autocast_off():  # the state's precision, as in the kernels
+    with _explicit.autocast_off():  # the state's precision, as in the kernels
         numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
     denominator = (phi_q * z).sum(-1, keepdim=True) + eps
     return (numerator / denominator).to(query.dtype), LinearAttentionState(S, z)

@@ -1,12 +1,12 @@
-"""The reference backend: the kernel-level functions (same signatures as the Triton and C++
-kernels) in plain PyTorch, materialising everything. Backward passes are the textbook
-formulas (autograd is unavailable inside a custom op's implementation). Computes in float32
-at least and returns the input dtype, as the kernels do."""
+"""The plain-torch backend ("reference"): the kernel-level functions (same signatures as the
+Triton and C++ kernels) in plain PyTorch, materialising everything. It serves float64, devices
+with no compiled kernels, and tests. Backward passes are the textbook formulas (they run inside
+an op's backward, where autograd does not record). Computes in float32 at least and returns the
+input dtype, as the kernels do."""
 from __future__ import annotations
 
 import torch
-
-from . import reference
+import torch.nn.functional as F
 
 
 def _compute_dtype(t):
@@ -25,9 +25,15 @@ def _attention_probs(q, k, attn_mask, key_padding_mask, is_causal, scale):
     and the log-sum-exp of each row (+inf on those rows)."""
     B, H, Nq, _ = q.shape
     k = k.repeat_interleave(H // k.shape[1], dim=1)
-    scores = q @ k.transpose(-2, -1) * scale + reference.attention_bias(
-        Nq, k.shape[2], batch=B, heads=H, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-        is_causal=is_causal, dtype=q.dtype, device=q.device)
+    scores = q @ k.transpose(-2, -1) * scale
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(Nq, k.shape[2], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.to(q.dtype))
     lse = torch.logsumexp(scores, dim=-1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     return torch.exp(scores - lse[..., None]), lse
@@ -99,9 +105,13 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     return dx.to(h.dtype), dweight, dbias
 
 
+def _elu_feature_map(x):
+    return F.elu(x) + 1
+
+
 def _linear_attention_weights(q, k, key_padding_mask, is_causal):
     """phi(q_i).phi(k_j), zeroed where key j is padded or (causal) j > i."""
-    weights = reference.elu_feature_map(q) @ reference.elu_feature_map(k).transpose(-2, -1)
+    weights = _elu_feature_map(q) @ _elu_feature_map(k).transpose(-2, -1)
     if is_causal:
         weights = weights.tril()
     if key_padding_mask is not None:
@@ -129,6 +139,6 @@ def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
         dweights = dweights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
     dv = weights.transpose(-2, -1) @ dnumerator
     # d phi(x)/dx = elu'(x): 1 for x > 0, exp(x) otherwise.
-    dq = (dweights @ reference.elu_feature_map(kc)) * torch.where(qc > 0, 1.0, torch.exp(qc))
-    dk = (dweights.transpose(-2, -1) @ reference.elu_feature_map(qc)) * torch.where(kc > 0, 1.0, torch.exp(kc))
+    dq = (dweights @ _elu_feature_map(kc)) * torch.where(qc > 0, 1.0, torch.exp(qc))
+    dk = (dweights.transpose(-2, -1) @ _elu_feature_map(qc)) * torch.where(kc > 0, 1.0, torch.exp(kc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

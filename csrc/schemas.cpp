@@ -1,0 +1,45 @@
+// The schemas of every transformer_fast op, in one place. Each op's kernels are registered beside
+// their code: CPU in csrc/<family>.cpp, CUDA in csrc/attention_cuda.cu (C++) or from Python
+// (Triton), autograd and autocast in csrc/<family>_op.cpp, fake (meta) implementations in
+// transformer_fast/<family>.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(transformer_fast, m) {
+  // Public ops (CompositeImplicitAutograd): argument checks once, then the kernel ops. The
+  // Python functions of the same names call these, with Python's conveniences (a dropout seed
+  // drawn from torch's generator, scale given as any real scalar).
+  m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+        "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+        "Tensor? key_padding_mask=None, int seed=0) -> Tensor");
+  // (y, h): h = input + residual, or an empty tensor without a residual.
+  m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+        "float? eps=None, Tensor? residual=None, bool is_rms=False) -> (Tensor, Tensor)");
+  m.def("linear_attention(Tensor query, Tensor key, Tensor value, bool is_causal=False, "
+        "Tensor? key_padding_mask=None, float eps=1e-06) -> Tensor");
+
+  // Kernel ops: the contract of each is in transformer_fast/<family>.py. Results a call does not
+  // produce are empty tensors (an op cannot return None).
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_padding_mask, "
+        "bool is_causal, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, int seed, "
+        "bool compute_dmask) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("layer_norm_forward(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool is_rms) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("layer_norm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "
+        "Tensor rstd, float eps, bool is_rms) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool is_causal, "
+        "float eps) -> Tensor");
+  m.def("linear_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+        "bool is_causal, float eps) -> (Tensor, Tensor, Tensor)");
+
+  // The first-order gradients as a graph torch can differentiate again (second derivatives,
+  // create_graph=True): the op written in differentiable torch (transformer_fast/_composite.py),
+  // registered from Python as CompositeImplicitAutograd.
+  m.def("attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
+        "Tensor? key_padding_mask, bool is_causal, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("layer_norm_backward_composite(Tensor dy, Tensor h, Tensor? weight, Tensor? bias, float eps, "
+        "bool is_rms) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, "
+        "Tensor? key_padding_mask, bool is_causal, float eps) -> (Tensor, Tensor, Tensor)");
+}

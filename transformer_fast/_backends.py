@@ -1,0 +1,150 @@
+"""Which backend runs a kernel.
+
+Backends:
+  * ``triton``    - the kernels in ``transformer_fast.kernels`` (CUDA tensors; CPU tensors only
+                    under ``TRITON_INTERPRET=1``, which is how CI tests them);
+  * ``cpp``       - the C++ extension ``transformer_fast._C`` (CPU tensors; CUDA tensors for the
+                    families it has CUDA kernels for, where torch has CUDA: attention);
+  * ``reference`` - the plain-torch kernels of ``transformer_fast._plain_torch`` (anything).
+
+Normally torch's dispatcher chooses, by device: the op's CPU kernel is C++; its CUDA kernel is
+Triton where Triton loads, else the C++ CUDA kernel (attention) or plain torch; any other device
+runs plain torch (``register_device_kernels``). ``backend=`` and ``TRANSFORMER_FAST_BACKEND``
+override that for tests and debugging: ``explicit_backend`` says when a call must leave the
+dispatcher for another backend (``_explicit.py``). float64 always takes the plain-torch backend:
+the compiled kernels are fp32/bf16/fp16.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from . import _build
+
+BACKENDS = ("triton", "cpp", "reference")
+ENV_BACKEND = "TRANSFORMER_FAST_BACKEND"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FAMILIES = ("attention", "layer_norm", "linear_attention")
+
+
+@functools.lru_cache(maxsize=None)
+def load_triton():
+    """(the transformer_fast.kernels package, None) or (None, the reason it does not load)."""
+    try:
+        import triton  # noqa: F401
+
+        return importlib.import_module("transformer_fast.kernels"), None
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def triton_interpreting() -> bool:
+    """Whether the Triton kernels run under the interpreter (TRITON_INTERPRET=1 when they load)."""
+    module, reason = load_triton()
+    return reason is None and module.interpreting()
+
+
+def _cuda_families():
+    module, _ = _build.load()
+    return module.cuda_families() if module is not None else []
+
+
+@torch.compiler.assume_constant_result  # torch.compile: evaluated at trace time, no graph break
+def unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None,
+                       family: str | None = None) -> str | None:
+    """Why ``backend`` cannot run kernel family ``family`` on ``device``/``dtype`` (None: it can).
+    None asks about any device or dtype; family None about every family."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return None
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return f"it has no {dtype} kernels (supported: {', '.join(str(d) for d in KERNEL_DTYPES)})"
+    if backend == "triton":
+        _, reason = load_triton()
+        if reason is not None:
+            return reason
+        if device is None:
+            return None if (torch.cuda.is_available() or triton_interpreting()) else \
+                "no CUDA device, and TRITON_INTERPRET=1 is not set"
+        if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
+            return None
+        return f"Triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
+    _, reason = _build.load()
+    if reason is not None:
+        return reason
+    if device is None or device.type == "cpu":
+        return None
+    cuda_families = _cuda_families()
+    if device.type == "cuda" and family in cuda_families:
+        return None
+    return (f"the C++ extension runs {family or 'every kernel family'} on CPU tensors only (CUDA kernels: "
+            f"{', '.join(cuda_families) or 'none in this build'}), got {device.type} tensors")
+
+
+def available_backends() -> dict:
+    """{backend: None if it works on this machine, else the reason it does not}."""
+    return {name: unavailable_reason(name, None) for name in BACKENDS}
+
+
+def _triton_on_cuda() -> bool:
+    return load_triton()[1] is None and not triton_interpreting()
+
+
+def dispatcher_backend(device_type: str, family: str) -> str:
+    """The backend whose kernel torch's dispatcher runs for ``family`` on ``device_type``."""
+    if device_type == "cpu":
+        return "cpp"
+    if device_type == "cuda":
+        if _triton_on_cuda():
+            return "triton"
+        return "cpp" if family in _cuda_families() else "reference"
+    return "reference"
+
+
+def requested_backend(backend: str) -> str:
+    """``backend``, with "auto" (or None) resolved through TRANSFORMER_FAST_BACKEND."""
+    if backend is None or backend == "auto":
+        return os.environ.get(ENV_BACKEND) or "auto"
+    return backend
+
+
+def explicit_backend(backend: str, device: torch.device, dtype: torch.dtype, family: str) -> str | None:
+    """The backend a call must run outside the dispatcher, or None where the dispatcher's kernel is
+    the one asked for. A requested backend that cannot run raises RuntimeError with the reason."""
+    backend = requested_backend(backend)
+    if backend == "auto":
+        return None if dtype in KERNEL_DTYPES else "reference"
+    reason = unavailable_reason(backend, device, dtype, family)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} is unavailable for {dtype} {device.type} tensors: {reason}")
+    return None if backend == dispatcher_backend(device.type, family) else backend
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto",
+                   family: str | None = None) -> str:
+    """The backend that runs ``family`` for a call with ``requested`` on ``dtype`` ``device`` tensors."""
+    explicit = explicit_backend(requested, device, dtype, family)
+    return dispatcher_backend(device.type, family) if explicit is None else explicit
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(name: str, backend: str, device_type: str = "cpu"):
+    """The kernel-level function ``name`` ("attention_forward", ...) of ``backend`` (for the C++
+    backend, its kernel for ``device_type``)."""
+    if backend == "cpp":
+        return getattr(_build.extension(), name)
+    if backend == "triton":
+        module, reason = load_triton()
+        if module is None:
+            raise RuntimeError(f"the Triton backend is unavailable: {reason}")
+        family = name.rsplit("_", 1)[0]
+        return getattr(importlib.import_module(f"transformer_fast.kernels.{family}"), name)
+    if backend == "reference":
+        from . import _plain_torch
+
+        return getattr(_plain_torch, name)
+    raise ValueError(f"unknown backend {backend!r}")

@@ -1,0 +1,95 @@
+"""Loading the C++ extension ``transformer_fast._C``: the one built by ``setup.py``, else a JIT
+build of ``csrc/`` with ``torch.utils.cpp_extension.load`` into a cache folder. Loading it
+registers the ops with torch's dispatcher (their schemas are in ``csrc/schemas.cpp``)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+
+import torch
+
+
+def _csrc_dir():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
+        if os.path.isfile(os.path.join(candidate, "schemas.cpp")):
+            return candidate
+    return None
+
+
+def build_directory(*key_parts, prefix=""):
+    """A JIT build folder under TRANSFORMER_FAST_CACHE (default ~/.cache/transformer_fast), named
+    by a hash of key_parts and the torch version, created if missing."""
+    key = "|".join([*key_parts, torch.__version__])
+    cache_root = os.environ.get(
+        "TRANSFORMER_FAST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "transformer_fast"))
+    build_dir = os.path.join(cache_root, prefix + hashlib.sha256(key.encode()).hexdigest()[:16])
+    os.makedirs(build_dir, exist_ok=True)
+    return build_dir
+
+
+def _jit_build():
+    """Builds csrc/ into a cache directory keyed on the source folder, the flags and the torch
+    version; ninja rebuilds what changed. Where torch has CUDA, the CUDA kernels are built too;
+    if that build fails, the CPU kernels alone (warned)."""
+    from . import _build_config
+
+    csrc = _csrc_dir()
+    if csrc is None:
+        raise RuntimeError("the C++ sources (csrc/) are not shipped with this installation")
+    if _build_config.with_cuda():
+        try:
+            return _jit_build_variant(csrc, cuda=True)
+        except Exception as exc:  # noqa: BLE001 - nvcc missing or too old, a compile error, ...
+            warnings.warn(f"transformer_fast: building the C++ extension's CUDA kernels failed, building its CPU "
+                          f"kernels alone ({type(exc).__name__}: {str(exc).strip()[-500:]})", RuntimeWarning,
+                          stacklevel=4)
+    return _jit_build_variant(csrc, cuda=False)
+
+
+def _jit_build_variant(csrc, cuda):
+    from torch.utils import cpp_extension
+
+    from . import _build_config
+
+    cflags = _build_config.extra_cflags(cuda)
+    build_dir = build_directory(os.path.realpath(csrc), " ".join(cflags))
+    return cpp_extension.load(
+        name="transformer_fast_C",
+        sources=_build_config.source_paths(csrc, cuda),
+        extra_cflags=cflags,
+        extra_cuda_cflags=_build_config.extra_cuda_cflags() if cuda else None,
+        extra_ldflags=_build_config.extra_ldflags(),
+        build_directory=build_dir,
+        verbose=os.environ.get("TRANSFORMER_FAST_VERBOSE_BUILD") == "1",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """(module, None), or (None, the reason it cannot be loaded). Loaded once: a second
+    cpp_extension.load of the same extension in one process is not safe."""
+    try:
+        from . import _C  # built by setup.py
+
+        return _C, None
+    except ImportError as exc:
+        prebuilt_error = exc
+    try:
+        return _jit_build(), None
+    except Exception as exc:  # noqa: BLE001 - compiler missing, build error, ...
+        reason = (f"no prebuilt transformer_fast._C ({prebuilt_error}) and the JIT build failed: "
+                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        warnings.warn(f"transformer_fast: the C++ extension is unavailable, so are the ops. Cause: {reason}",
+                      RuntimeWarning, stacklevel=3)
+        return None, reason
+
+
+def extension():
+    """The loaded C++ extension (raises RuntimeError with the cause if it is unavailable)."""
+    module, reason = load()
+    if module is None:
+        raise RuntimeError(f"transformer_fast's C++ extension is unavailable, and with it every op: {reason}")
+    return module

@@ -1,0 +1,112 @@
+"""The kernels the dispatcher runs on devices other than the CPU, registered from Python: on
+CUDA the Triton kernels where Triton loads, else the C++ CUDA kernels (attention) and plain torch;
+on any other device plain torch (as CompositeExplicitAutograd, the kernel of every backend key
+that has none of its own). The C++ CPU kernels register themselves (csrc/<family>.cpp).
+
+``op_kernel`` adapts a backend's kernel-level function to its op's contract: empty problems
+answered without a launch, results a call does not produce as empty tensors (never None).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _backends
+
+_INF = float("inf")
+
+
+def _empty(ref):
+    return ref.new_empty(0)
+
+
+def _attention_forward(kernel):
+    def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+        B, H, Nq, _ = q.shape
+        if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
+            return q.new_zeros(B, H, Nq, v.shape[-1]), q.new_full((B, H, Nq), _INF, dtype=torch.float32)
+        return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+    return attention_forward
+
+
+def _attention_backward(kernel):
+    def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                           compute_dmask):
+        B, H, Nq, _ = q.shape
+        if Nq == 0 or k.shape[2] == 0:
+            dmask = q.new_zeros(B, H, Nq, k.shape[2]) if compute_dmask else _empty(q)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+        dq, dk, dv, dmask = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
+                                   dropout_p, seed, compute_dmask)
+        return dq, dk, dv, _empty(q) if dmask is None else dmask
+    return attention_backward
+
+
+def _stats_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _layer_norm_forward(kernel):
+    def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
+        if x.shape[0] == 0:
+            stats = x.new_empty(0, dtype=_stats_dtype(x))
+            return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
+        y, h, mean, rstd = kernel(x, residual, weight, bias, eps, is_rms)
+        return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
+    return layer_norm_forward
+
+
+def _layer_norm_backward(kernel):
+    def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+        if h.shape[0] == 0:
+            return (torch.zeros_like(h), torch.zeros_like(weight) if weight is not None else _empty(h),
+                    torch.zeros_like(bias) if bias is not None else _empty(h))
+        dx, dweight, dbias = kernel(dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
+        return dx, (_empty(h) if dweight is None else dweight), (_empty(h) if dbias is None else dbias)
+    return layer_norm_backward
+
+
+def _linear_attention_forward(kernel):
+    def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
+        B, H, Nq, _ = q.shape
+        if Nq == 0 or k.shape[2] == 0:  # empty sums: out = 0 / eps = 0
+            return q.new_zeros(B, H, Nq, v.shape[-1])
+        return kernel(q, k, v, key_padding_mask, is_causal, eps)
+    return linear_attention_forward
+
+
+def _linear_attention_backward(kernel):
+    def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
+        if q.shape[2] == 0 or k.shape[2] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return kernel(dout, q, k, v, key_padding_mask, is_causal, eps)
+    return linear_attention_backward
+
+
+_CONTRACT = {
+    "attention_forward": _attention_forward, "attention_backward": _attention_backward,
+    "layer_norm_forward": _layer_norm_forward, "layer_norm_backward": _layer_norm_backward,
+    "linear_attention_forward": _linear_attention_forward, "linear_attention_backward": _linear_attention_backward,
+}
+OPS = tuple(_CONTRACT)
+
+
+def op_kernel(name: str, backend: str, device_type: str = "cpu"):
+    """``backend``'s kernel-level function ``name`` with the op's contract (see the module doc)."""
+    return _CONTRACT[name](_backends.kernel(name, backend, device_type))
+
+
+_library = None
+
+
+def register():
+    """Registers the CUDA and fallback kernels of every kernel op (once)."""
+    global _library
+    if _library is not None:
+        return
+    _library = torch.library.Library("transformer_fast", "IMPL")
+    cuda_backend = {family: _backends.dispatcher_backend("cuda", family) for family in _backends.FAMILIES}
+    for name in OPS:
+        _library.impl(name, op_kernel(name, "reference"), "CompositeExplicitAutograd")
+        backend = cuda_backend[name.rsplit("_", 1)[0]]
+        if backend != "reference":
+            _library.impl(name, op_kernel(name, backend, "cuda"), "CUDA")

@@ -1,0 +1,145 @@
+"""Calls that do not go through the dispatcher's kernels: a backend asked for by name
+(``backend=``, ``TRANSFORMER_FAST_BACKEND``; float64, which only plain torch serves), and the
+torch.func transforms and forward-mode AD, which the ops' autograd formulas cannot serve.
+
+The first run the named backend's kernels under a ``torch.autograd.Function`` with the same
+formulas as the ops' C++ autograd kernels (csrc/<family>_op.cpp); the second run the op written
+in differentiable torch (``_composite.py``). Both take the arguments the C++ checks return, so
+the checks and their messages are the same on every path.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import _composite
+from ._device_kernels import op_kernel
+
+_AUTOCAST_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA))
+
+
+def autocast_off():
+    """A context in which torch ops are not autocast (the inputs were cast by the checks)."""
+    if torch._C._is_any_autocast_enabled():
+        return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
+    return contextlib.nullcontext()
+
+
+def differentiable_forms_needed() -> bool:
+    """A torch.func transform or forward-mode AD is active (outside torch.compile, which handles
+    them itself): the composite forms must run."""
+    return not torch.compiler.is_compiling() and (
+        torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0)
+
+
+def _kernel(name, backend, t):
+    return op_kernel(name, backend, t.device.type)
+
+
+class Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+        with autocast_off():
+            out, lse = _kernel("attention_forward", backend, q)(q, k, v, attn_mask, key_padding_mask, is_causal,
+                                                                 scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
+        ctx.args = (backend, is_causal, scale, dropout_p, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+        backend, is_causal, scale, dropout_p, seed = ctx.args
+        mask_grad = ctx.needs_input_grad[4]
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
+            if dropout_p > 0:
+                raise NotImplementedError("transformer_fast.scaled_dot_product_attention: second derivatives "
+                                          "(create_graph=True) are not supported with dropout_p > 0")
+            dq, dk, dv, dmask = _composite.attention_backward(dout, q, k, v, attn_mask, key_padding_mask,
+                                                              is_causal, scale)
+        else:
+            with autocast_off():
+                dq, dk, dv, dmask = _kernel("attention_backward", backend, q)(
+                    dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                    mask_grad)
+        return None, dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
+
+
+class LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend, x, residual, weight, bias, eps, is_rms):
+        with autocast_off():
+            y, h, mean, rstd = _kernel("layer_norm_forward", backend, x)(x, residual, weight, bias, eps, is_rms)
+        ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
+        ctx.args = (backend, eps, is_rms, residual is not None)
+        ctx.mark_non_differentiable(mean, rstd)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, bias, mean, rstd = ctx.saved_tensors
+        backend, eps, is_rms, has_residual = ctx.args
+        dy = dy if dy.shape[1] <= 1 or dy.stride(1) == 1 else dy.contiguous()
+        if torch.is_grad_enabled():  # create_graph=True
+            dx, dweight, dbias = _composite.layer_norm_backward(dy, h, weight, bias, eps, is_rms)
+            if has_residual and dh is not None:
+                dx = dx + dh
+        else:
+            if has_residual and dh is not None and dh.shape[1] > 1 and dh.stride(1) != 1:
+                dh = dh.contiguous()
+            with autocast_off():
+                dx, dweight, dbias = _kernel("layer_norm_backward", backend, h)(
+                    dy, dh if has_residual else None, h, weight, bias, mean, rstd, eps, is_rms)
+        return (None, dx, dx if has_residual else None, dweight if weight is not None else None,
+                dbias if bias is not None else None, None, None)
+
+
+class LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend, q, k, v, key_padding_mask, is_causal, eps):
+        with autocast_off():
+            out = _kernel("linear_attention_forward", backend, q)(q, k, v, key_padding_mask, is_causal, eps)
+        ctx.save_for_backward(q, k, v, key_padding_mask)  # the backward recomputes the state
+        ctx.args = (backend, is_causal, eps)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, key_padding_mask = ctx.saved_tensors
+        backend, is_causal, eps = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True
+            dq, dk, dv = _composite.linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps)
+        else:
+            with autocast_off():
+                dq, dk, dv = _kernel("linear_attention_backward", backend, q)(dout, q, k, v, key_padding_mask,
+                                                                              is_causal, eps)
+        return None, dq, dk, dv, None, None, None
+
+
+def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+    """Attention on checked arguments (attention_args): ``backend``'s kernels, or the composite
+    form under a torch.func transform or forward AD (backend None)."""
+    if backend is None:
+        with autocast_off():
+            return _composite.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                                                seed)[0]
+    return Attention.apply(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+
+
+def layer_norm(backend, x, residual, weight, bias, eps, is_rms):
+    """(y, h) on checked rows (layer_norm_args); backend None: the composite form."""
+    if backend is None:
+        with autocast_off():
+            y, h, _, _ = _composite.layer_norm_forward(x, residual, weight, bias, eps, is_rms)
+        return y, h
+    return LayerNorm.apply(backend, x, residual, weight, bias, eps, is_rms)
+
+
+def linear_attention(backend, q, k, v, key_padding_mask, is_causal, eps):
+    """Linear attention on checked arguments (linear_attention_args); backend None: the composite form."""
+    if backend is None:
+        with autocast_off():
+            return _composite.linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps)
+    return LinearAttention.apply(backend, q, k, v, key_padding_mask, is_causal, eps)
