@@ -1,4 +1,5 @@
 """Small helpers shared by the Triton launchers."""
+import inspect
 import os
 
 import torch
@@ -29,9 +30,28 @@ def new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def autotune_configs(configs):
-    """The interpreter cannot benchmark (multi-config autotune raises "0 active drivers"): keep one."""
-    return configs[:1] if interpreting() else configs
+def autotune(configs, key, early_config_prune):
+    """triton.autotune over `configs` (only the first under the interpreter, which cannot
+    benchmark: a multi-config autotune raises "0 active drivers"), keyed on the kernel arguments
+    named in `key`, with `early_config_prune` choosing a call's candidates.
+
+    Where Triton has it (3.4 and later), cache_results=True keeps each tuned choice on disk, in
+    Triton's cache directory (TRITON_CACHE_DIR), so a new process does not time the candidates
+    again. Triton keys an entry on its own version and source, the GPU target (backend and
+    architecture), the kernel's source with the jit functions it calls, the environment
+    variables that change compilation, the values of `key` (and the dtypes of the tensor
+    arguments) and the candidate configs left after pruning: an entry is reused only for the
+    same kernel, tiles, toolchain and kind of GPU."""
+    import triton
+
+    return triton.autotune(configs=configs[:1] if interpreting() else configs, key=key,
+                           prune_configs_by={"early_config_prune": early_config_prune}, **_autotune_cache_option())
+
+
+def _autotune_cache_option():
+    import triton
+
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def forced_tile_index():

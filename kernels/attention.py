@@ -11,7 +11,11 @@ Masking: scores of disallowed (causal, padded, attn_mask False or -inf, out of r
 to -inf before the row max, and every exponent is taken against a finite base, so P is exactly 0
 there; padded and out-of-range key/value rows are loaded as zeros, so whatever they hold (NaN, inf)
 never reaches a result. Key tiles above the causal diagonal, and those before the first or after
-the last unpadded key of a sequence, are skipped.
+the last unpadded key of a sequence, are skipped: each forward and dQ program finds that key range
+by scanning its sequence's padding row (up to its causal window), so the launchers pass the
+padding mask as it is and run no torch op for it.
+
+Tile tables and autotune configs: kernels/attention_tiles.py.
 
 fp32 inputs use input_precision="ieee" for tl.dot (exact fp32 products; a GPU's default tf32
 would miss the tests' 2x-reference-error policy); fp16/bf16 use tensor cores with fp32
@@ -22,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (LAUNCH_OPTIONS, autotune_configs, cdiv, forced_tile_index, interpreting, new_output,
-                     next_power_of_2)
+from ._utils import LAUNCH_OPTIONS, autotune, cdiv, interpreting, new_output
+from .attention_tiles import (DKDV_TILES_FP32, DKDV_TILES_LOWP, DQ_TILES_FP32, DQ_TILES_LOWP, FWD_TILES_FP32,
+                              FWD_TILES_LOWP, TUNE_KEY, block_dims, dkdv_configs, dq_configs, fwd_configs,
+                              length_bucket, pruner)
 
 LOG2E = 1.4426950408889634
 
@@ -104,16 +110,47 @@ def _dropout_keep(seed, tile_offset, mi, nj, Nk, dropout_p):
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 
+# Padding rows are scanned in blocks of this many keys (small under the interpreter, so that the
+# tests' short sequences take several blocks).
+PAD_SCAN_BLOCK = tl.constexpr(16 if interpreting() else 1024)
+
+
 @triton.jit
-def _kv_range(KvRange, b, Nk, HAS_PAD: tl.constexpr):
-    """[first, last + 1) unpadded key of batch b (the whole sequence without padding)."""
-    if HAS_PAD:
-        lo = tl.load(KvRange + 2 * b)
-        hi = tl.load(KvRange + 2 * b + 1)
-    else:
-        lo = 0
-        hi = Nk
-    return lo, hi
+def _unpadded_range(pad_base, stride_padn, n_keys):
+    """[first, last + 1) of the unpadded keys among the first n_keys of a padding row (bytes,
+    nonzero = padded); [0, 0) where all of them are padded. (Reducing each block to scalars, rather
+    than carrying PAD_SCAN_BLOCK-wide running minima through the loop, spills less: 1280 bytes
+    against 3640 in the sm_90 forward with causal + padding + bool mask at head dim 128.)"""
+    offs = tl.arange(0, PAD_SCAN_BLOCK)
+    first = n_keys
+    hi = n_keys * 0
+    for start in range(0, n_keys, PAD_SCAN_BLOCK):
+        idx = start + offs
+        ok = tl.load(pad_base + idx * stride_padn, mask=idx < n_keys, other=1) == 0
+        first = tl.minimum(first, tl.min(tl.where(ok, idx, n_keys), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, idx + 1, 0), 0))
+    return tl.minimum(first, hi), hi
+
+
+@triton.jit
+def _key_tiles(pad_base, stride_padn, start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr):
+    """(lo, mid, hi) for the query block at start_m: key tiles [lo, mid) lie inside the sequence
+    and at or below the causal diagonal for every row of the block (no bounds or causal checks);
+    [mid, hi) need the checks; keys before lo or from hi on (above the diagonal, before the first
+    or after the last unpadded key this block may see) are skipped."""
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+    lo = 0
+    if HAS_PAD:  # only the keys this block may see are scanned
+        first, hi = _unpadded_range(pad_base, stride_padn, hi)
+        lo = (first // BLOCK_N) * BLOCK_N
+    full = hi
+    if IS_CAUSAL:
+        full = tl.minimum(full, start_m + 1)
+    mid = tl.maximum((full // BLOCK_N) * BLOCK_N, lo)
+    return lo, mid, hi
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,63 +193,14 @@ def _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, str
     return acc, l_i, m_new
 
 
-def _fwd_configs():
-    if interpreting():  # small, unequal tiles: the tests' short sequences span several of them
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _FWD_TILES]
-
-
-def _all_tiles(*tables):
-    return sorted({t for table in tables for ts in table.values() for t in ts})
-
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); which apply to a call is decided by _prune.
-# (128, 64, 4 warps) and (128, 128, 8 warps) spill on sm_80/sm_90 and are left out.
-_FWD_TILES_LOWP = {  # fp16/bf16, by padded head dim
-    64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-    128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-    256: [(64, 64, 8, 2), (64, 32, 4, 2)],  # (64, 64, 4 warps) spills here
-}
-# fp32 (ieee dots on CUDA cores). One tile per head dim, picked with the compile check: the one
-# that spills least on sm_80 and sm_90 across plain inputs, causal + padding + bool mask, and
-# causal + padding + float mask + dropout. ptxas is erratic here: (32, 32, 4 warps, 2 stages)
-# at head dim 256 was given 32 registers and 67-77 KB of spills per thread.
-_FWD_TILES_FP32 = {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 1)], 256: [(16, 16, 4, 1)]}
-_FWD_TILES = _all_tiles(_FWD_TILES_LOWP, _FWD_TILES_FP32)
-
-
-def _head_class(block_d):
-    return 64 if block_d <= 64 else block_d
-
-
-def _tiles_for(args, table_lowp, table_fp32):
-    head = _head_class(max(args["BLOCK_D"], args["BLOCK_DV"]))
-    table = table_fp32 if args["DOT_PRECISION"] == "ieee" else table_lowp
-    return table[head]
-
-
-def _prune(table_lowp, table_fp32):
-    def prune(configs, named_args, **kwargs):
-        wanted = _tiles_for({**named_args, **kwargs}, table_lowp, table_fp32)
-        forced = forced_tile_index()
-        if forced is not None:
-            wanted = [wanted[forced % len(wanted)]]
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-                in wanted]
-        return kept or configs[:1]
-    return prune
-
-
 # Sizes and the seed are not specialized (a length of 1 would otherwise become a constant).
 _NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "seed", "LEN_BUCKET"]
-_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "MASK_KIND", "HAS_PAD", "HAS_DROPOUT", "DOT_PRECISION"]
 
 
-@triton.autotune(configs=autotune_configs(_fwd_configs()), key=_TUNE_KEY,
-                 prune_configs_by={"early_config_prune": _prune(_FWD_TILES_LOWP, _FWD_TILES_FP32)})
+@autotune(fwd_configs(), TUNE_KEY, pruner(FWD_TILES_LOWP, FWD_TILES_FP32))
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_fwd_kernel(
-        Q, K, V, Out, Lse, Mask, Pad, KvRange,
+        Q, K, V, Out, Lse, Mask, Pad,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn,
         H, GROUP, Nq, Nk, qk_scale, dropout_p, seed, LEN_BUCKET,
@@ -231,6 +219,7 @@ def attention_fwd_kernel(
     bh_offset = bh * Nq * Nk
 
     start_m = pid_m * BLOCK_M
+    lo, mid, hi = _key_tiles(pad_base, stride_padn, start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_PAD)
     m64 = tl.cast(start_m, tl.int64)
     rows = tl.arange(0, BLOCK_M)
     row_ok = start_m + rows < Nq
@@ -242,16 +231,6 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Key tiles: [lo, mid) lie inside the sequence and below the causal diagonal for every row of
-    # this block (no bounds or causal checks); [mid, hi) need them; the rest is skipped.
-    kv_lo, kv_hi = _kv_range(KvRange, b, Nk, HAS_PAD)
-    lo = (kv_lo // BLOCK_N) * BLOCK_N
-    hi = kv_hi
-    full = kv_hi
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)
-        full = tl.minimum(full, start_m + 1)
-    mid = tl.maximum((full // BLOCK_N) * BLOCK_N, lo)
     for start_n in tl.range(lo, mid, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                                   mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
@@ -337,39 +316,10 @@ def _dkdv_tile(dk, dv, k, v, start_m, start_n, q_base, do_base, lse_base, delta_
     return dk, dv
 
 
-def _bwd_configs(tiles):
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-
-
-# Backward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages). The dK/dV kernel holds a BLOCK_N key
-# block (K, V and two fp32 accumulators) and streams BLOCK_M query rows: long key blocks and short
-# query tiles. The dQ kernel holds BLOCK_M query rows and streams keys. Chosen on an H100 with
-# benchmarks/tools/sweep_attention_tiles_gpu.py (bf16, N=4096; output in benchmarks/results/): the
-# three fastest tiles per kernel and head dim that spill little or nothing, causal and not. The
-# mask features are part of the autotune key: with them the same tile can spill (compile check).
-_DKDV_TILES_LOWP = {
-    64: [(16, 128, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3)],
-    # (64, 64, 8 warps): half the speed of the others on plain inputs, but with causal + padding +
-    # a mask it spills least of them on sm_80 (76 bytes against 150-18000)
-    128: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
-    256: [(32, 32, 8, 1), (64, 32, 8, 1)],
-}
-_DQ_TILES_LOWP = {
-    64: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
-    128: [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
-    256: [(32, 32, 8, 1), (64, 32, 8, 1)],
-}
-_DKDV_TILES_FP32 = {64: [(32, 32, 8, 1)], 128: [(32, 32, 8, 1)], 256: [(16, 32, 8, 1)]}  # chosen as _FWD_TILES_FP32
-_DQ_TILES_FP32 = {64: [(32, 32, 8, 1)], 128: [(32, 16, 8, 1)], 256: [(16, 32, 8, 1)]}
-
-
-@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DKDV_TILES_LOWP, _DKDV_TILES_FP32))),
-                 key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune(_DKDV_TILES_LOWP, _DKDV_TILES_FP32)})
+@autotune(dkdv_configs(), TUNE_KEY, pruner(DKDV_TILES_LOWP, DKDV_TILES_FP32))
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dkdv_kernel(
-        Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Pad, KvRange,
+        Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Pad,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn,
@@ -397,7 +347,6 @@ def attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # Query blocks: [lo, mid) straddle the causal diagonal (masked), [mid, Nq) lie below it.
-    kv_lo, kv_hi = _kv_range(KvRange, b, Nk, HAS_PAD)
     lo = 0
     mid = 0
     if IS_CAUSAL:
@@ -405,7 +354,7 @@ def attention_bwd_dkdv_kernel(
         mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, tl.cdiv(Nq, BLOCK_M) * BLOCK_M)
     hi = Nq
     if HAS_PAD:  # every key of the block padded: skip the loops
-        skip = (start_n >= kv_hi) | (start_n + BLOCK_N <= kv_lo)
+        skip = tl.max(key_ok.to(tl.int32), 0) == 0
         lo = tl.where(skip, Nq, lo)
         mid = tl.where(skip, Nq, mid)
     for g in range(0, GROUP):
@@ -474,12 +423,10 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn
     return dq
 
 
-@triton.autotune(configs=autotune_configs(_bwd_configs(_all_tiles(_DQ_TILES_LOWP, _DQ_TILES_FP32))),
-                 key=_TUNE_KEY + ["STORE_DS"],
-                 prune_configs_by={"early_config_prune": _prune(_DQ_TILES_LOWP, _DQ_TILES_FP32)})
+@autotune(dq_configs(), TUNE_KEY + ["STORE_DS"], pruner(DQ_TILES_LOWP, DQ_TILES_FP32))
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dq_kernel(
-        Q, K, V, DOut, Lse, Delta, DQ, DS, Mask, Pad, KvRange,
+        Q, K, V, DOut, Lse, Delta, DQ, DS, Mask, Pad,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn,
@@ -502,6 +449,7 @@ def attention_bwd_dq_kernel(
     ds_base = DS + bh_offset
 
     start_m = pid_m * BLOCK_M
+    lo, mid, hi = _key_tiles(pad_base, stride_padn, start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_PAD)
     m64 = tl.cast(start_m, tl.int64)
     rows = tl.arange(0, BLOCK_M)
     row_ok = start_m + rows < Nq
@@ -514,14 +462,6 @@ def attention_bwd_dq_kernel(
     delta = tl.load(Delta + bh * Nq + m64 + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    kv_lo, kv_hi = _kv_range(KvRange, b, Nk, HAS_PAD)  # tiles split as in the forward
-    lo = (kv_lo // BLOCK_N) * BLOCK_N
-    hi = kv_hi
-    full = kv_hi
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)
-        full = tl.minimum(full, start_m + 1)
-    mid = tl.maximum((full // BLOCK_N) * BLOCK_N, lo)
     for start_n in tl.range(lo, mid, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, k_base, v_base, stride_kn, stride_vn,
                       mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, Nq, Nk, qk_scale, seed,
@@ -539,58 +479,37 @@ def attention_bwd_dq_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def _block_dim(d):
-    return max(16, next_power_of_2(d))  # tl.dot needs >= 16 along every dim
-
-
-def _block_dims(d, dv):
-    """(BLOCK_D, BLOCK_DV). Where the query/key head dim is not a multiple of 16 and the value
-    block would be narrower, the value block is widened to BLOCK_D. On an H100, Triton 3.6
-    miscompiled the forward for (D, Dv) = (40, 23) and (24, 11), with wrong outputs and
-    out-of-range shared-memory accesses (compute-sanitizer), while (48, 23), (80, 23), (80, 40)
-    and ten other pairs with a padded head dim were right without widening (docs/design.md).
-    Widening wherever a head dim is padded would cost spills (dK/dV at (80, 40): 14 KB on sm_80).
-    The extra value columns are loaded as zeros and never stored."""
-    block_d, block_dv = _block_dim(d), _block_dim(dv)
-    if d % 16 and block_dv < block_d:
-        block_dv = block_d
-    return block_d, block_dv
-
-
-def _len_bucket(nq, nk):
-    """The autotune key's length bucket: powers of two of Nq and Nk, capped."""
-    return min(next_power_of_2(nq), 16384) * 32768 + min(next_power_of_2(nk), 16384)
+def _mask_kind(attn_mask):
+    """MASK_KIND: 0 none, 1 bool (read as bytes), 2 float."""
+    if attn_mask is None:
+        return 0
+    return 1 if attn_mask.dtype == torch.bool else 2
 
 
 def _mask_args(attn_mask, q):
-    """(tensor, 4 strides, MASK_KIND): 0 none, 1 bool (read as bytes), 2 float."""
+    """(tensor, 4 strides); q stands in for an absent mask (never read)."""
     if attn_mask is None:
-        return q, (0, 0, 0, 0), 0
+        return q, (0, 0, 0, 0)
     if attn_mask.dtype == torch.bool:
-        return attn_mask.view(torch.uint8), attn_mask.stride(), 1
-    return attn_mask, attn_mask.stride(), 2
+        return attn_mask.view(torch.uint8), attn_mask.stride()
+    return attn_mask, attn_mask.stride()
 
 
 def _padding_args(key_padding_mask, q):
-    """(padding bytes, 2 strides, per-batch [first, last + 1) unpadded key as int32 (B, 2))."""
+    """(padding bytes, 2 strides); q stands in for an absent mask (never read). The kernels find
+    each sequence's unpadded key range themselves."""
     if key_padding_mask is None:
-        return q, (0, 0), q
-    valid = ~key_padding_mask
-    nk = valid.shape[1]
-    idx = torch.arange(nk, device=valid.device)
-    first = torch.where(valid, idx, nk).amin(1)
-    last = torch.where(valid, idx + 1, 0).amax(1)
-    kv_range = torch.stack([torch.minimum(first, last), last], 1).to(torch.int32).contiguous()
-    return key_padding_mask.view(torch.uint8), key_padding_mask.stride(), kv_range
+        return q, (0, 0)
+    return key_padding_mask.view(torch.uint8), key_padding_mask.stride()
 
 
 def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
     D, Dv = q.shape[3], v.shape[3]
     if max(D, Dv) > 256:  # the public API checks this; the tile tables stop at 256
         raise ValueError(f"the Triton attention kernels take head dims up to 256, got query {D}, value {Dv}")
-    block_d, block_dv = _block_dims(D, Dv)
+    block_d, block_dv = block_dims(D, Dv)
     return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
-                MASK_KIND=_mask_args(attn_mask, q)[2], HAS_PAD=key_padding_mask is not None,
+                MASK_KIND=_mask_kind(attn_mask), HAS_PAD=key_padding_mask is not None,
                 HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
@@ -599,15 +518,15 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = new_output((B, H, Nq, Dv), q.dtype, q.device)
     lse = new_output((B, H, Nq), torch.float32, q.device)
-    mask, mask_strides, _ = _mask_args(attn_mask, q)
-    pad, pad_strides, kv_range = _padding_args(key_padding_mask, q)
+    mask, mask_strides = _mask_args(attn_mask, q)
+    pad, pad_strides = _padding_args(key_padding_mask, q)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p)
     grid = lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)  # noqa: E731
     attention_fwd_kernel[grid](
-        q, k, v, out, lse, mask, pad, kv_range,
+        q, k, v, out, lse, mask, pad,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *mask_strides, *pad_strides,
-        H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(dropout_p), int(seed), _len_bucket(Nq, Nk), **meta,
+        H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(dropout_p), int(seed), length_bucket(Nq, Nk), **meta,
         **LAUNCH_OPTIONS)
     return out, lse
 
@@ -620,7 +539,7 @@ def _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropo
     return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
             *mask_strides, *pad_strides, H, H // Hk, Nq, Nk, float(scale) * LOG2E, float(scale), float(dropout_p),
-            int(seed), _len_bucket(Nq, Nk))
+            int(seed), length_bucket(Nq, Nk))
 
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
@@ -630,8 +549,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     if Dv > 1 and dout.stride(3) != 1:
         dout = dout.contiguous()
     out, lse = out.contiguous(), lse.contiguous()
-    mask, mask_strides, _ = _mask_args(attn_mask, q)
-    pad, pad_strides, kv_range = _padding_args(key_padding_mask, q)
+    mask, mask_strides = _mask_args(attn_mask, q)
+    pad, pad_strides = _padding_args(key_padding_mask, q)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p)
 
     delta = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
@@ -647,113 +566,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dmask = torch.zeros((B, H, Nq, Nk), dtype=q.dtype, device=q.device) if compute_dmask else None
     args = _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropout_p, seed)
     attention_bwd_dkdv_kernel[lambda META: (cdiv(Nk, META["BLOCK_N"]), Hk, B)](
-        q, k, v, dout, lse, delta, dk, dv, mask, pad, kv_range, *args, **meta, **LAUNCH_OPTIONS)
+        q, k, v, dout, lse, delta, dk, dv, mask, pad, *args, **meta, **LAUNCH_OPTIONS)
     attention_bwd_dq_kernel[lambda META: (cdiv(Nq, META["BLOCK_M"]), H, B)](
-        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask, pad, kv_range, *args, **meta,
+        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask, pad, *args, **meta,
         STORE_DS=compute_dmask, **LAUNCH_OPTIONS)
     return dq, dk, dv, dmask
-
-
-# --------------------------------------------------------------------------------------------
-# GPU compile check
-# --------------------------------------------------------------------------------------------
-_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def _signature(kernel, pointers, constexprs):
-    """Every argument of `kernel`: pointers as given, "constexpr" for meta-parameters, fp32 for
-    the float scalars, i64 for the seed and i32 for the other ints."""
-    sig = {}
-    for name in kernel.arg_names:
-        if name in pointers:
-            sig[name] = pointers[name]
-        elif name in constexprs:
-            sig[name] = "constexpr"
-        elif name in ("qk_scale", "scale", "dropout_p"):
-            sig[name] = "fp32"
-        elif name == "seed":
-            sig[name] = "i64"
-        else:
-            sig[name] = "i32"
-    return sig
-
-
-def _jit_function(kernel):
-    """The JITFunction under autotune/heuristics wrappers."""
-    while not isinstance(kernel, triton.runtime.JITFunction):
-        kernel = kernel.fn
-    return kernel
-
-
-def _divisibility(fn, head_d, head_dv):
-    """The launch-time specialization of contiguous q/k/v/dO with head dims that are multiples of
-    16: every tensor pointer and every q/k/v/dO stride divisible by 16 (vectorized loads)."""
-    names = [n for n in fn.arg_names if n in ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV", "DS")]
-    if head_d % 16 == 0 and head_dv % 16 == 0:
-        names += [n for n in fn.arg_names if n.startswith(("stride_q", "stride_k", "stride_v", "stride_do"))]
-    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-
-
-def compile_cases():
-    """Every autotune tile of each kernel for each head-dim class (fp16, plain; one head-dim-128
-    tile with causal + padding + bool mask), the fp32 tile of each class, dropout, a float
-    mask with odd head dims, and the backward preprocess; forward fp16/bf16 cases must use wgmma
-    on sm_90."""
-    cases = []
-
-    def add(kernel, name, dtype, head_d, head_dv, tile, *, causal=False, mask_kind=0, pad=False, dropout=False,
-            store_ds=False, expect_wgmma=False):
-        block_m, block_n, warps, stages = tile
-        t = "*" + _TYPE[dtype]
-        mask_type = {0: t, 1: "*u8", 2: t}[mask_kind]
-        pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
-        pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if pad else t,
-                        KvRange="*i32" if pad else t)
-        block_d, block_dv = _block_dims(head_d, head_dv)
-        constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=causal,
-                          MASK_KIND=mask_kind, HAS_PAD=pad, HAS_DROPOUT=dropout,
-                          DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STORE_DS=store_ds,
-                          BLOCK_M=block_m, BLOCK_N=block_n)
-        fn = _jit_function(kernel)
-        constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        features = "".join(f for f, on in (("c", causal), ("b" if mask_kind == 1 else "f", mask_kind), ("p", pad),
-                                             ("r", dropout), ("s", store_ds)) if on) or "plain"
-        cases.append(dict(
-            name=f"{name}[{_TYPE[dtype]},d{head_d}/{head_dv},{features},m{block_m}n{block_n}w{warps}s{stages}]",
-            fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
-            attrs=_divisibility(fn, head_d, head_dv), num_warps=warps, num_stages=stages, expect_wgmma=expect_wgmma))
-
-    heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
-    kernels = ((attention_fwd_kernel, "attention_fwd", _FWD_TILES_LOWP, _FWD_TILES_FP32),
-               (attention_bwd_dkdv_kernel, "attention_bwd_dkdv", _DKDV_TILES_LOWP, _DKDV_TILES_FP32),
-               (attention_bwd_dq_kernel, "attention_bwd_dq", _DQ_TILES_LOWP, _DQ_TILES_FP32))
-    for kernel, name, lowp, fp32 in kernels:
-        forward = kernel is attention_fwd_kernel
-        for cls, (d, dv) in heads.items():
-            for i, tile in enumerate(lowp[cls]):
-                # plain, but the first head-dim-128 tile with causal + padding + bool mask (the most work
-                # per tile; these compile several times slower, so only one per kernel)
-                full = cls == 128 and i == 0
-                add(kernel, name, torch.float16, d, dv, tile, causal=full, mask_kind=1 if full else 0, pad=full,
-                    expect_wgmma=forward)
-        # fp32 (each head-dim class's tile, with causal + padding + bool mask), dropout, and a float
-        # mask with odd head dims (padded inside the kernel)
-        for cls, (d, dv) in heads.items():
-            add(kernel, name, torch.float32, d, dv, fp32[cls][0], causal=True, mask_kind=1, pad=True)
-        add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
-        add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
-        add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)
-    # dS out (a float mask that requires grad): causal + padding + float mask + dropout, as in T5
-    # training, for each dtype class
-    for dtype, cls in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):
-        tiles = _DQ_TILES_FP32 if dtype == torch.float32 else _DQ_TILES_LOWP
-        add(attention_bwd_dq_kernel, "attention_bwd_dq", dtype, cls, cls, tiles[cls][0], causal=True, mask_kind=2,
-            pad=True, dropout=True, store_ds=True)
-    preprocess = _jit_function(attention_bwd_preprocess_kernel)
-    for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
-        constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)
-        t = "*" + _TYPE[dtype]
-        cases.append(dict(name=f"attention_bwd_preprocess[{_TYPE[dtype]},dv{dv},m{block}]", fn=preprocess,
-                          signature=_signature(preprocess, {"Out": t, "DOut": t, "Delta": "*fp32"}, constexprs),
-                          constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
-    return cases

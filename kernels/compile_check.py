@@ -7,7 +7,7 @@
 reports registers and spills per kernel.
 
 The Triton interpreter accepts programs the GPU compiler rejects, so interpreter tests alone
-prove little about a GPU. This compiles each case from each family's ``compile_cases()`` to
+prove little about a GPU. This compiles each case of each family (``compile_cases.py``) to
 PTX and cubin for sm_80 and sm_90, reads registers and spills from Triton's own ``ptxas``, and
 on sm_90 checks the SASS of cases marked ``expect_wgmma`` for ``HGMMA`` (Hopper's wgmma).
 Must run without TRITON_INTERPRET (jit functions are interpreter objects under it).
@@ -84,11 +84,16 @@ def compile_case(case: dict, cap: int) -> dict:
     return report
 
 
+def _cases(family):
+    # imported here: it loads Triton and the kernels, which --cuda does not need
+    return importlib.import_module(f"{__package__}.compile_cases").compile_cases(family)
+
+
 def _check(task):
     """Compiles case `index` of `family` for `cap`: (report, failure message or None). Runs in a
     worker process, so it looks the case up again rather than receiving it."""
     family, index, cap = task
-    case = importlib.import_module(f"{__package__}.{family}").compile_cases()[index]
+    case = _cases(family)[index]
     try:
         report = compile_case(case, cap)
     except Exception as exc:  # noqa: BLE001 - report every failing case, then fail
@@ -160,7 +165,7 @@ def main(argv=None):
 
     tasks = [(family, index, cap)
              for family in args.only or FAMILIES
-             for index in range(len(importlib.import_module(f"{__package__}.{family}").compile_cases()))
+             for index in range(len(_cases(family)))
              for cap in args.arch]
     reports, failures = [], []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -219,9 +219,9 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
-def _tiles(N, backward=False):
+def row_tiles(N, backward=False):
     """(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps) for rows of width N: a pure function of N, so
-    compile_cases() can list every config. The backward holds more live tensors per element, so
+    the compile check can list every config. The backward holds more live tensors per element, so
     it takes half the rows per step and up to 16 warps (at most 16 elements a thread)."""
     if N <= MAX_TILE:
         block_n = max(MIN_TILE, next_power_of_2(N))
@@ -232,9 +232,10 @@ def _tiles(N, backward=False):
     return 1, LOOP_TILE, False, 8
 
 
-def _all_tiles(backward):
+def all_row_tiles(backward):
+    """row_tiles of every width class (powers of two from MIN_TILE to MAX_TILE, and wider)."""
     widths = [MIN_TILE << i for i in range((MAX_TILE // MIN_TILE).bit_length())] + [MAX_TILE + 1]
-    return [_tiles(n, backward) for n in widths]
+    return [row_tiles(n, backward) for n in widths]
 
 
 def _check_rows(name, t, M, N, dtype, device):
@@ -270,7 +271,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     rstd = new_output((M,), torch.float32, x.device)
     if M == 0:
         return y, h, mean, rstd
-    block_m, block_n, single, warps = _tiles(N)
+    block_m, block_n, single, warps = row_tiles(N)
     dummy = x  # stands in for absent pointers; never read (the matching constexpr flag is off)
     r, hh = (residual, h) if residual is not None else (dummy, dummy)
     grid = (cdiv(M, block_m),)
@@ -304,7 +305,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     rstd = rstd.contiguous()
     mean = rstd if is_rms else mean.contiguous()
     dx = new_output((M, N), h.dtype, h.device)
-    block_m, block_n, single, warps = _tiles(N, backward=True)
+    block_m, block_n, single, warps = row_tiles(N, backward=True)
     rows_per_program = cdiv(M, _num_programs(h.device))
     if single:
         rows_per_program = cdiv(rows_per_program, block_m) * block_m
@@ -324,56 +325,3 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     dweight = None if weight is None else dw_partial.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_partial.sum(0).to(bias.dtype)
     return dx, dweight, dbias
-
-
-# ------------------------------------------------------------------------------------------------
-# Every config the launchers may launch, for kernels/compile_check.py
-# ------------------------------------------------------------------------------------------------
-_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_FLOAT_ARGS = ("W", "B", "Mean", "Rstd", "DWPartial", "DBPartial")
-
-
-def _case(kernel, name, dtype, tile, flags):
-    block_m, block_n, single, warps = tile
-    fn = kernel
-    constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single)
-    signature = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in _FLOAT_ARGS:
-            signature[arg] = "*fp32"
-        elif arg not in ("M", "N") and arg[0].isupper():
-            signature[arg] = "*" + _TYPE[dtype]
-        elif arg == "eps":
-            signature[arg] = "fp32"
-        else:
-            signature[arg] = "i32"
-    on = "".join(k[4] if k.startswith("HAS_") else "rms" for k, v in flags.items() if v) or "plain"
-    return dict(name=f"{name}[{_TYPE[dtype]},{on},m{block_m}n{block_n}{'' if single else 'loop'}w{warps}]",
-                fn=fn, signature=signature, constexprs=constexprs, num_warps=warps, num_stages=1)
-
-
-def compile_cases():
-    """Every tile config (a function of the row width only) in fp16 with every feature on; fp32
-    and bf16 with a single-tile and the looped config; the other flag combinations (no residual/dh,
-    weight only, RMS with and without weight, none) with those two configs in fp16. Flags and
-    dtypes change loads and stores, not the tile's register shape."""
-    cases = []
-    kernels = ((layer_norm_fwd_kernel, "layer_norm_fwd", "HAS_RESIDUAL"),
-               (layer_norm_bwd_kernel, "layer_norm_bwd", "HAS_DH"))
-    for kernel, name, extra in kernels:
-        backward = kernel is layer_norm_bwd_kernel
-        two_tiles = (_tiles(1024, backward), _tiles(MAX_TILE + 1, backward))
-        every = {extra: True, "HAS_WEIGHT": True, "HAS_BIAS": True, "IS_RMS": False}
-        for tile in _all_tiles(backward):
-            cases.append(_case(kernel, name, torch.float16, tile, every))
-        for dtype in (torch.float32, torch.bfloat16):
-            for tile in two_tiles:
-                cases.append(_case(kernel, name, dtype, tile, every))
-        for tile in two_tiles:
-            for has_extra, rms, weight, bias in ((False, False, False, False), (True, False, True, False),
-                                                 (False, True, False, False), (True, True, True, False)):
-                flags = {extra: has_extra, "HAS_WEIGHT": weight, "HAS_BIAS": bias, "IS_RMS": rms}
-                cases.append(_case(kernel, name, torch.float16, tile, flags))
-    return cases

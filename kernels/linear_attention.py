@@ -321,7 +321,7 @@ STATE_TILE_ELEMENTS = 4096
 MAX_BLOCK_C = 64
 
 
-def _config(na, nc, dtype):
+def block_config(na, nc, dtype):
     """(block sizes, num_warps, tl.dot precision) for a contracted width `na` (held whole) and a
     column width `nc` (tiled): the chunk shrinks as the contracted width grows, so that the
     scan's fp32 tiles (a, b: BLOCK_N x BLOCK_A; w: BLOCK_N^2; c, y: BLOCK_N x BLOCK_C; T) fit the
@@ -372,7 +372,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
     B, H, N, D = q.shape
     Dv = v.shape[3]
     na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
-    blocks, num_warps, precision = _config(na, nc, q.dtype)
+    blocks, num_warps, precision = block_config(na, nc, q.dtype)
     grid = (B * H, cdiv(nc, blocks["BLOCK_C"]))
     if den is None:
         return grid[1]
@@ -404,7 +404,7 @@ def _state(x, y, key_padding_mask, den, g):
     """(S, z): S = sum X'^T Y (B*H, D, Dv), z = sum X' u (B*H, D), fp32; backward if den is given."""
     B, H, N, D = x.shape
     Dv = y.shape[3]
-    blocks, num_warps, precision = _config(D, Dv, x.dtype)
+    blocks, num_warps, precision = block_config(D, Dv, x.dtype)
     c_tiles = cdiv(Dv, blocks["BLOCK_C"])
     splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
     chunks_per_split = cdiv(cdiv(N, blocks["BLOCK_N"]), splits)
@@ -426,7 +426,7 @@ def _state(x, y, key_padding_mask, den, g):
 def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     B, H, N, D = x.shape
     Dv = s.shape[-1]
-    blocks, num_warps, precision = _config(D, Dv, x.dtype)
+    blocks, num_warps, precision = block_config(D, Dv, x.dtype)
     block_m = blocks.pop("BLOCK_N")
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
     apply_kernel[(B * H, cdiv(N, block_m))](
@@ -469,57 +469,3 @@ def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
         r_state, r = _state(q, dout, None, den, g)
         _apply(APPLY_DKDV, k, v, key_padding_mask, r_state, r, dv, dk, den, g, eps)
     return dq, dk, dv
-
-
-def compile_cases():
-    """The kernel configs the launchers launch on a GPU, within CI's compile budget: listing every
-    one (10 kernel modes x ~17 block shapes x 3 dtypes x mask on/off) would take far longer, so
-    every kernel mode is compiled at each contracted width's largest column tile for half
-    precision (smaller column tiles of a width are the same program with smaller tiles), at the
-    smallest, middle and largest width for fp32 (its own, smaller blocks), with bf16 and the
-    mask on/off spread over them, plus the smallest shape."""
-    shapes = [(16, 16, torch.float16, True), (32, MAX_BLOCK_C, torch.bfloat16, False),
-              (64, MAX_BLOCK_C, torch.float16, True), (128, MAX_BLOCK_C, torch.float16, False),
-              (256, MAX_BLOCK_C, torch.float16, True), (16, MAX_BLOCK_C, torch.float32, False),
-              (64, MAX_BLOCK_C, torch.float32, True), (256, MAX_BLOCK_C, torch.float32, False)]
-    dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    cases = []
-    for na, nc, dtype, has_mask in shapes:
-        ty = dtypes[dtype]
-        ptr = f"*{ty}"
-        blocks, num_warps, precision = _config(na, nc, dtype)
-        common = dict(HAS_MASK=has_mask, PRECISION=precision)
-        tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
-        for mode in (FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV):
-            sig = {name: ptr for name in ("Q", "K", "V", "DO")}
-            sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == FWD_STATS else ptr)
-            sig.update({name: "i32" for name in (
-                "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
-                "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
-            sig["eps"] = "fp32"
-            const = dict(MODE=mode.value, **common, **blocks)
-            sig.update({name: "constexpr" for name in const})
-            cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=causal_scan_kernel, signature=sig,
-                              constexprs=const, num_warps=num_warps, num_stages=2))
-        for backward in (False, True):
-            sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
-            sig.update({name: "i32" for name in (
-                "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV",
-                "chunks_per_split")})
-            const = dict(BACKWARD=backward, **common, **blocks)
-            sig.update({name: "constexpr" for name in const})
-            cases.append(dict(name=f"linattn_state_bwd{int(backward)}_{tag}", fn=state_kernel,
-                              signature=sig, constexprs=const, num_warps=num_warps, num_stages=2))
-        apply_blocks = dict(blocks)
-        apply_blocks["BLOCK_M"] = apply_blocks.pop("BLOCK_N")
-        for mode in (APPLY_OUT, APPLY_DQ, APPLY_DKDV):
-            sig = dict(X=ptr, Y=ptr, KPM="*u8", S="*fp32", Z="*fp32", OUT=ptr, OUT2=ptr, DEN="*fp32",
-                       G="*fp32")
-            sig.update({name: "i32" for name in (
-                "sxb", "sxh", "sxn", "syb", "syh", "syn", "smb", "smn", "H", "N", "D", "DV")})
-            sig["eps"] = "fp32"
-            const = dict(MODE=mode.value, **common, **apply_blocks)
-            sig.update({name: "constexpr" for name in const})
-            cases.append(dict(name=f"linattn_apply_mode{mode.value}_{tag}", fn=apply_kernel, signature=sig,
-                              constexprs=const, num_warps=num_warps, num_stages=2))
-    return cases

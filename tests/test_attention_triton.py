@@ -58,6 +58,83 @@ def test_key_padding_arbitrary_positions():
     check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=True)
 
 
+def _padding_cases(Nk):
+    """(B, Nk) padding rows that put each sequence's unpadded keys at the edges of the kernels'
+    tiles and padding-scan blocks (16 keys under the interpreter): only the last key, only the
+    first, one key in the middle of a later block, keys past the first query block's causal
+    window only, and a last key block (of the backward's 32) with no unpadded key."""
+    pad = torch.ones(5, Nk, dtype=torch.bool)
+    pad[0, Nk - 1] = False
+    pad[1, 0] = False
+    pad[2, 37] = False
+    pad[3, 33:] = False
+    pad[4, 3:30] = False
+    return pad
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_unpadded_key_range_found_by_the_kernels(is_causal):
+    """Each program finds its sequence's unpadded keys by scanning the padding row (up to its
+    causal window) and skips the key tiles outside them; rows that see no unpadded key give 0."""
+    pad = _padding_cases(41).to(_device())
+    q, k, v = make_qkv(5, 2, 40, 41, 16, dtype=torch.float16, device=_device())
+    check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=is_causal)
+
+
+def _record_launches_and_ops(monkeypatch, run):
+    """(kernel launches, torch ops) of run() with the attention kernels' launches recorded, not run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from transformer_fast.kernels import attention as ka
+
+    launches = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    for name in ("attention_fwd_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
+                 "attention_bwd_dq_kernel"):
+        monkeypatch.setattr(ka, name, Recorded(name))
+
+    ops = []
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with RecordOps():
+        run(ka)
+    return launches, ops
+
+
+@pytest.mark.parametrize("compute_dmask", [False, True])
+def test_launchers_run_no_torch_op_beyond_allocations(monkeypatch, compute_dmask):
+    """With a key padding mask and a bool mask, the launchers allocate their outputs (the backward
+    also delta), view the bool masks as bytes, and run no other torch op: no per-call bookkeeping
+    on the device, nothing that waits for it."""
+    q, k, v = make_qkv(2, 2, 17, 40, 16)
+    pad = random_key_padding(2, 40)
+    mask = random_attn_mask((2, 2, 17, 40), "bool")
+    lse = torch.zeros(2, 2, 17)
+    allowed = {"empty", "full", "zeros", "view", "detach"}  # a dtype view shows as view + detach
+
+    launches, ops = _record_launches_and_ops(
+        monkeypatch, lambda ka: ka.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, 5))
+    assert launches == ["attention_fwd_kernel"]
+    assert set(ops) <= allowed and ops.count("view") == 2, ops
+
+    launches, ops = _record_launches_and_ops(
+        monkeypatch, lambda ka: ka.attention_backward(q, q, k, v, q, lse, mask, pad, True, 0.25, 0.1, 5,
+                                                      compute_dmask))
+    assert launches == ["attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
+    assert set(ops) <= allowed and ops.count("view") == 2, ops
+
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("shape", [(17, 40), (2, 1, 17, 40), (2, 1, 1, 40), (1, 17, 1)])
 def test_attn_mask_broadcast(kind, shape):
@@ -273,12 +350,12 @@ def test_forced_tile_selects_one_candidate(monkeypatch):
     length); unset, every candidate for the head dim."""
     import triton
 
-    from transformer_fast.kernels import attention as ka
+    from transformer_fast.kernels import attention_tiles as tiles_module
 
-    tiles = ka._DKDV_TILES_LOWP[128]
+    tiles = tiles_module.DKDV_TILES_LOWP[128]
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in ka._all_tiles(ka._DKDV_TILES_LOWP, ka._DKDV_TILES_FP32)]
-    prune = ka._prune(ka._DKDV_TILES_LOWP, ka._DKDV_TILES_FP32)
+               for m, n, w, s in tiles_module.all_tiles(tiles_module.DKDV_TILES_LOWP, tiles_module.DKDV_TILES_FP32)]
+    prune = tiles_module.pruner(tiles_module.DKDV_TILES_LOWP, tiles_module.DKDV_TILES_FP32)
     args = dict(BLOCK_D=128, BLOCK_DV=64, DOT_PRECISION="tf32")
     monkeypatch.delenv("TRANSFORMER_FAST_TILE", raising=False)
     assert sorted(_tile_of(c) for c in prune(configs, args)) == sorted(tiles)
@@ -288,7 +365,33 @@ def test_forced_tile_selects_one_candidate(monkeypatch):
     monkeypatch.delenv("TRANSFORMER_FAST_TILE")
     for head in (64, 128, 256):  # fp32 (ieee dots) takes its own table
         args = dict(BLOCK_D=head, BLOCK_DV=head, DOT_PRECISION="ieee")
-        assert [_tile_of(c) for c in prune(configs, args)] == ka._DKDV_TILES_FP32[head]
+        assert [_tile_of(c) for c in prune(configs, args)] == tiles_module.DKDV_TILES_FP32[head]
+
+
+def test_autotune_keeps_choices_on_disk_where_triton_can(monkeypatch):
+    """The autotuned kernels ask Triton to keep their tuned choices on disk (cache_results=True)
+    where triton.autotune takes that argument (Triton >= 3.4), and pass nothing where it does not."""
+    import triton
+
+    from transformer_fast.kernels import _utils
+
+    passed = []
+
+    def autotune_with_cache(configs, key, prune_configs_by=None, cache_results=False):
+        passed.append(cache_results)
+        return lambda fn: fn
+
+    def autotune_without_cache(configs, key, prune_configs_by=None):
+        passed.append("absent")
+        return lambda fn: fn
+
+    def keep_all(configs, named_args, **kwargs):
+        return configs
+
+    for fake, expected in ((autotune_with_cache, True), (autotune_without_cache, "absent")):
+        monkeypatch.setattr(triton, "autotune", fake)
+        _utils.autotune([triton.Config({"BLOCK_M": 16})], ["Nq"], keep_all)
+        assert passed[-1] == expected
 
 
 @pytest.mark.gpu
@@ -310,7 +413,7 @@ def test_gpu_every_tile(tile, monkeypatch):
         check_attention("triton", q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True)
 
 
-# Head dims padded inside the kernel with a narrower value head. Without _block_dims' widening,
+# Head dims padded inside the kernel with a narrower value head. Without block_dims' widening,
 # Triton 3.6 on an H100 gave wrong outputs for the first two (and an illegal memory access with
 # MQA + padding + float mask: out-of-range shared memory under compute-sanitizer); the others
 # passed with and without it (benchmarks/results/cuda-h100-gpu-tests-2026-11-23.txt).
@@ -318,11 +421,11 @@ _PADDED_NARROW_VALUE = [(24, 11), (40, 23), (40, 16), (80, 23), (192, 128), (200
 
 
 def test_value_block_widened_where_the_head_dim_is_padded():
-    from transformer_fast.kernels.attention import _block_dims
+    from transformer_fast.kernels.attention_tiles import block_dims
 
-    assert _block_dims(40, 23) == (64, 64) and _block_dims(24, 11) == (32, 32)
-    assert _block_dims(64, 23) == (64, 32) and _block_dims(80, 40) == (128, 64)  # seen right on the GPU
-    assert _block_dims(40, 80) == (64, 128)
+    assert block_dims(40, 23) == (64, 64) and block_dims(24, 11) == (32, 32)
+    assert block_dims(64, 23) == (64, 32) and block_dims(80, 40) == (128, 64)  # seen right on the GPU
+    assert block_dims(40, 80) == (64, 128)
 
 
 @pytest.mark.gpu
