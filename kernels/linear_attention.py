@@ -1,7 +1,7 @@
 """Triton kernels for linear attention (Katharopoulos et al. 2020) with phi(x) = elu(x) + 1.
 
 Notation: Q' = phi(Q), K' = phi(K) with padded keys set to 0, G = dO / den (row-wise),
-g_i = -(dO_i . out_i) / den_i. The gradients (checked against _reference_kernels):
+g_i = -(dO_i . out_i) / den_i. The gradients (checked against _plain_torch):
 
     dQ'_i = sum_{j in W(i)} (G_i . v_j + g_i) K'_j        dQ = dQ' * elu'(Q)
     dK'_j = sum_{i : j in W(i)} (v_j . G_i + g_i) Q'_i    dK = dK' * elu'(K), 0 on padded keys

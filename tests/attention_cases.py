@@ -178,3 +178,11 @@ def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_ma
     return op_kernel("attention_backward", backend, q.device.type)(dout, q, k, v, out, lse, attn_mask,
                                                                    key_padding_mask, is_causal, scale, dropout_p,
                                                                    seed, compute_dmask)
+
+
+def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
+    """The output of ``backend``'s attention kernels on kernel-level arguments, with its autograd
+    formula (the path ``backend=`` takes)."""
+    from transformer_fast import _explicit
+
+    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)

@@ -11,8 +11,8 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, make_qkv, random_attn_mask,
-                             random_key_padding)
+from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, differentiable_attention,
+                             kernel_attention_forward, make_qkv, random_attn_mask, random_key_padding)
 
 pytestmark = pytest.mark.triton
 ops = torch.ops.transformer_fast
@@ -198,8 +198,8 @@ def test_lse_matches_reference():
     mask = random_attn_mask((40, 17), "bool", device=_device())
     mask[3] = False
     args = (mask.expand(2, 2, 40, 17), pad, True, 0.25, 0.0, 0)
-    out, lse = ops.attention_forward(q, k, v, *args, "triton")
-    ref_out, ref_lse = ops.attention_forward(q.double(), k.double(), v.double(), *args, "reference")
+    out, lse = kernel_attention_forward(q, k, v, *args, "triton")
+    ref_out, ref_lse = kernel_attention_forward(q.double(), k.double(), v.double(), *args, "reference")
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     assert lse.dtype == torch.float32 and (lse[0] == float("inf")).all() and (lse[:, :, 3] == float("inf")).all()
     finite = torch.isfinite(ref_lse)
@@ -280,8 +280,8 @@ def _keep_mask(B, H, Hk, Nq, Nk, D, pad, is_causal, scale, p, seed):
     outs, alloweds = [], []
     for j in range(0, Nk, 128):  # value head dims stay within the kernels' 256
         v = eye[:, j:j + 128].expand(B, Hk, Nk, -1)
-        outs.append(ops.attention_forward(q, k, v, None, pad, is_causal, scale, p, seed, "triton")[0])
-        alloweds.append(ops.attention_forward(q, k, v, None, pad, is_causal, scale, 0.0, 0, "triton")[0])
+        outs.append(kernel_attention_forward(q, k, v, None, pad, is_causal, scale, p, seed, "triton")[0])
+        alloweds.append(kernel_attention_forward(q, k, v, None, pad, is_causal, scale, 0.0, 0, "triton")[0])
     return torch.cat(outs, -1) != 0, torch.cat(alloweds, -1) != 0
 
 
@@ -295,7 +295,7 @@ def test_dropout_matches_reference_with_the_same_keep_mask(dtype):
     assert allowed.sum() > 500 and abs(rate - (1 - p)) < 0.06, rate
 
     def kernel(q, k, v):
-        return ops.attention_forward(q, k, v, None, pad, causal, scale, p, seed, "triton")[0]
+        return differentiable_attention(q, k, v, None, pad, causal, scale, p, seed, "triton")
 
     def ref(q, k, v):
         return reference.scaled_dot_product_attention(q, k, v, None, causal, scale, key_padding_mask=pad,
@@ -313,7 +313,7 @@ def test_dropout_is_deterministic_per_seed():
 
     def run(seed):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out, _ = ops.attention_forward(qq, kk, vv, None, None, False, 0.25, 0.5, seed, "triton")
+        out = differentiable_attention(qq, kk, vv, None, None, False, 0.25, 0.5, seed, "triton")
         out.backward(dout)
         return out, qq.grad, kk.grad, vv.grad
 
@@ -459,7 +459,7 @@ def test_gpu_dropout_and_long_sequences():
     from helpers import compare_with_reference
 
     compare_with_reference(
-        lambda q, k, v: ops.attention_forward(q, k, v, None, None, True, 0.125, p, seed, "triton")[0],
+        lambda q, k, v: differentiable_attention(q, k, v, None, None, True, 0.125, p, seed, "triton"),
         lambda q, k, v: reference.scaled_dot_product_attention(q, k, v, None, True, 0.125, dropout_mask=keep,
                                                                dropout_p=p),
         (q, k, v), grad_inputs=(0, 1, 2), what="attention[triton] dropout")

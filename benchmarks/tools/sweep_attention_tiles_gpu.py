@@ -39,6 +39,7 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     import triton
 
     from transformer_fast.kernels import attention as ka
+    from transformer_fast.kernels.compile_cases import jit_function
 
     B, H, N, D = q.shape
     meta = ka._common_meta(q, k, v, None, None, causal, 0.0)
@@ -47,13 +48,13 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **ka.LAUNCH_OPTIONS)
     if kernel_name == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        fn = ka._jit_function(ka.attention_bwd_dkdv_kernel)
-        compiled = fn[(triton.cdiv(N, block_n), H, B)](q, k, v, dout, lse, delta, dk, dv, q, q, q, *args, **meta,
+        fn = jit_function(ka.attention_bwd_dkdv_kernel)
+        compiled = fn[(triton.cdiv(N, block_n), H, B)](q, k, v, dout, lse, delta, dk, dv, q, q, *args, **meta,
                                                        **tune)
         return (dk, dv), compiled
     dq = torch.empty_like(q)
-    fn = ka._jit_function(ka.attention_bwd_dq_kernel)
-    compiled = fn[(triton.cdiv(N, block_m), H, B)](q, k, v, dout, lse, delta, dq, dq, q, q, q, *args, **meta,
+    fn = jit_function(ka.attention_bwd_dq_kernel)
+    compiled = fn[(triton.cdiv(N, block_m), H, B)](q, k, v, dout, lse, delta, dq, dq, q, q, *args, **meta,
                                                    STORE_DS=False, **tune)
     return (dq,), compiled
 
