@@ -189,7 +189,7 @@ SHORT_REDUCTIONS = [  # (B, H, Hk, Nq, Nk, D, Dv): every tile product over at mo
 def test_bf16_short_reductions_match_the_reference(case):
     """bf16 tile products over a few queries or keys: rounding P and dS to bf16 before them made
     gradients of 1-9 queries up to 2-4x the reference's error in fuzzing. The C++ backend makes
-    such products in fp32 (kShortReduction in csrc/attention.cpp), as the reference does, so this
+    such products in fp32 (kShortReduction in csrc/attention_tiles.h), as the reference does, so this
     asserts 1.25x the reference's error with no absolute slack (with bf16 products all four
     shapes failed 1.1x). Not 1.1x: these rows fit one key tile, where the kernel takes delta from
     P and dP rather than from the rounded output (test_attention_precision_tail.py), so it follows

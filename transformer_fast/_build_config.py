@@ -6,8 +6,10 @@ This file imports nothing from the package, so ``setup.py`` can execute it befor
 import os
 import platform
 
-# One translation unit per kernel family plus the bindings: the build is ~30 s a file on two cores.
-SOURCES = ("attention.cpp", "layer_norm.cpp", "linear_attention.cpp", "bindings.cpp")
+# One translation unit per kernel family (softmax attention: forward and backward) plus the
+# bindings, so that a parallel build compiles them side by side.
+SOURCES = ("attention_forward.cpp", "attention_backward.cpp", "layer_norm.cpp", "linear_attention.cpp",
+           "bindings.cpp")
 # CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
 CUDA_SOURCES = ("attention_cuda.cu",)
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"
