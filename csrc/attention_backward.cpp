@@ -269,12 +269,22 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 }  // namespace
 }  // namespace cpu_attention
 
+// Empty problems (B, H, Nq or Nk = 0) give zero gradients and a zero dmask. A head dim of 0 goes
+// through the kernel: D = 0 leaves dq and dk empty; Dv = 0 makes dP = dO V^T = 0, so dS, dq and dk
+// are 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask) {
   cpu_attention::check_inputs("attention_backward", q_in, k_in, v_in);
+  const int64_t B = q_in.size(0), H = q_in.size(1), Nq = q_in.size(2), Dv = v_in.size(3);
+  cpu_attention::check_shape("attention_backward", "dout", dout_in, {B, H, Nq, Dv});
+  cpu_attention::check_shape("attention_backward", "out", out_in, {B, H, Nq, Dv});
+  cpu_attention::check_shape("attention_backward", "lse", lse_in, {B, H, Nq});
+  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+                  lse_in.device() == q_in.device(),
+              "attention_backward: dout, out and lse must be on q's device ", q_in.device());
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
   const at::Tensor out = unit_last_stride(out_in.to(q.scalar_type()));

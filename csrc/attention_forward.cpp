@@ -143,6 +143,11 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 }  // namespace
 }  // namespace cpu_attention
 
+// Empty problems need no kernel: with no query rows (B, H or Nq = 0) out and lse are empty; with
+// no keys every row has none allowed, so out = 0 and lse = +inf, as for a fully masked row. A head
+// dim of 0 goes through the kernels, whose products over it are 0: D = 0 makes every score 0 (the
+// masks still apply), so each row averages the values of its allowed keys; Dv = 0 leaves out empty
+// and lse each row's log-sum-exp.
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,

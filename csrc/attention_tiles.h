@@ -334,10 +334,13 @@ inline bool packing_pays_off(int64_t rows_per_block) {
 
 // Whether the scores S = Q K^T go through K^T packed once per call (bf16/fp16: AMX brgemm; fp32:
 // cpu_blas's register tiles, in panels). The forward and the backward decide it alike, so that
-// the backward recomputes the forward's scores bit for bit (see score_tile).
+// the backward recomputes the forward's scores bit for bit (see score_tile). Not with a head dim
+// of 0: over an empty reduction the fp32 register tiles leave the tile unwritten (nor is brgemm
+// relied on there), where gemm writes the zeros that are then the scores (D = 0) or dP (Dv = 0).
 template <typename scalar_t>
 bool packed_scores(const Problem& p) {
-  return cpu_blas::packed_products_available<scalar_t>() && p.D % 2 == 0 && packing_pays_off(p.Nq * (p.H / p.Hk));
+  return cpu_blas::packed_products_available<scalar_t>() && p.D > 0 && p.Dv > 0 && p.D % 2 == 0 &&
+         packing_pays_off(p.Nq * (p.H / p.Hk));
 }
 
 // C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product. fp32:
@@ -393,6 +396,12 @@ float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar
   return 1.f;
 }
 
+inline void check_shape(const char* fn, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
+  TORCH_CHECK_VALUE(t.sizes() == expected, fn, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+// q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv) on one device, of one dtype; Hk divides H
+// (or H = 0).
 inline void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(), fn, ": q, k, v must be on one device");
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
@@ -403,7 +412,11 @@ inline void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-D");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
               ": q, k, v must share a dtype");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, fn, ": key heads must divide query heads");
+  // The kernels read k and v by these sizes: a mismatch would read past the tensors.
+  check_shape(fn, "k", k, {q.size(0), k.size(1), k.size(2), q.size(3)});
+  check_shape(fn, "v", v, {q.size(0), k.size(1), k.size(2), v.size(3)});
+  TORCH_CHECK_VALUE(q.size(1) == 0 || (k.size(1) > 0 && q.size(1) % k.size(1) == 0), fn, ": key heads (",
+                    k.size(1), ") must divide query heads (", q.size(1), ")");
 }
 
 // Calls fn(scalar_t{}) for the dtypes with kernels: fp32, bf16, fp16 (tiles accumulate in fp32).
