@@ -4,8 +4,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <limits>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -128,15 +131,111 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
   return p;
 }
 
+// Allocates a kernel output (bindings.cpp; NaN-filled under TRANSFORMER_FAST_POISON=1).
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+inline void check_shape(const char* fn, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
+  TORCH_CHECK_VALUE(t.sizes() == expected, fn, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+// q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv) of one dtype on one `device`; Hk divides H
+// (or H = 0).
+inline void check_inputs(const char* fn, c10::DeviceType device, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v) {
+  TORCH_CHECK(q.device().type() == device && k.device() == q.device() && v.device() == q.device(), fn,
+              ": q, k, v must be on one ", c10::DeviceTypeName(device), " device, got ", q.device(), ", ", k.device(),
+              ", ", v.device());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn, ": q, k, v must be 4-D");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), fn,
+              ": q, k, v must share a dtype");
+  // The kernels read k and v by these sizes: a mismatch would read past the tensors.
+  check_shape(fn, "k", k, {q.size(0), k.size(1), k.size(2), q.size(3)});
+  check_shape(fn, "v", v, {q.size(0), k.size(1), k.size(2), v.size(3)});
+  TORCH_CHECK_VALUE(q.size(1) == 0 || (k.size(1) > 0 && q.size(1) % k.size(1) == 0), fn, ": key heads (",
+                    k.size(1), ") must divide query heads (", q.size(1), ")");
+}
+
+// The entry points of every device (attention_forward.cpp, attention_backward.cpp,
+// attention_cuda.cu) share their checks, normalised inputs, outputs and empty problems;
+// `launch(p, q, k, v, out, lse)` runs the device's kernels on a non-empty problem.
+//
+// Empty problems need no kernel: with no query rows (B, H or Nq = 0) out and lse are empty; with
+// no keys every row has none allowed, so out = 0 and lse = +inf, as for a fully masked row. A head
+// dim of 0 goes through the kernels, whose products over it are 0: D = 0 makes every score 0 (the
+// masks still apply), so each row averages the values of its allowed keys; Dv = 0 leaves out empty
+// and lse each row's log-sum-exp.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor> attention_forward_entry(
+    c10::DeviceType device, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+    double scale, double dropout_p, int64_t seed, Launch launch) {
+  check_inputs("attention_forward", device, q_in, k_in, v_in);
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
+  const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor out = new_output({p.B, p.H, p.Nq, p.Dv}, q.options());
+  at::Tensor lse = new_output({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  if (p.B * p.H * p.Nq == 0) return {out, lse};
+  if (p.Nk == 0) {
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  launch(p, q, k, v, out, lse);
+  return {out, lse};
+}
+
+// `launch(p, dout, q, k, v, out, lse, dq, dk, dv, dmask)` runs the device's kernels on a non-empty
+// problem; dmask (the score gradient dS) is undefined unless compute_dmask.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_entry(
+    c10::DeviceType device, const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+    double scale, double dropout_p, int64_t seed, bool compute_dmask, Launch launch) {
+  check_inputs("attention_backward", device, q_in, k_in, v_in);
+  const int64_t B = q_in.size(0), H = q_in.size(1), Nq = q_in.size(2), Dv = v_in.size(3);
+  check_shape("attention_backward", "dout", dout_in, {B, H, Nq, Dv});
+  check_shape("attention_backward", "out", out_in, {B, H, Nq, Dv});
+  check_shape("attention_backward", "lse", lse_in, {B, H, Nq});
+  TORCH_CHECK(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+                  lse_in.device() == q_in.device(),
+              "attention_backward: dout, out and lse must be on q's device ", q_in.device());
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
+  const at::Tensor out = unit_last_stride(out_in.to(q.scalar_type()));
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+  const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
+  const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
+  at::Tensor dq = new_output(q.sizes(), q.options());
+  at::Tensor dk = new_output(k.sizes(), k.options());
+  at::Tensor dv = new_output(v.sizes(), v.options());
+  // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
+  // above the causal diagonal are skipped).
+  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
+  if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dmask};
+  }
+  launch(p, dout, q, k, v, out, lse, dq, dk, dv, dmask);
+  return {dq, dk, dv, dmask};
+}
+
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
-// attention_cuda.cu. q, k, v (and dout, out) have a unit last-dim stride; out, lse, dq, dk, dv are
-// contiguous, allocated by the caller; dmask is undefined, or (B, H, Nq, Nk) contiguous and
-// zero-filled, for dS.
-void attention_fwd_cuda(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, at::Tensor& lse);
-void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask);
+// attention_cuda.cu: the CUDA kernels' entry points (the contract of attention_forward and
+// attention_backward in ops.h), and their registration for the CUDA dispatch key, made only where
+// Triton does not serve CUDA tensors (transformer_fast/_device_kernels.py).
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    bool compute_dmask);
+void register_cuda_kernels();
 #endif
 
 }  // namespace transformer_fast

@@ -4,6 +4,7 @@
 #include "attention_cuda.cuh"
 
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -39,8 +40,6 @@ struct CudaLaunch {
   }
 };
 
-}  // namespace
-
 void attention_fwd_cuda(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         at::Tensor& out, at::Tensor& lse) {
   const c10::cuda::CUDAGuard guard(q.device());
@@ -58,6 +57,52 @@ void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tens
       pick_tile([&](int t) { return dkdv_shared_bytes(p, t); }, q.get_device(), "attention_backward");
   run_backward(p, dout, q, k, v, out, lse, delta, dq, dk, dv, dmask, dq_tile, dkdv_tile,
                CudaLaunch{c10::cuda::getCurrentCUDAStream()});
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
+    int64_t seed) {
+  return attention_forward_entry(c10::DeviceType::CUDA, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                 dropout_p, seed, attention_fwd_cuda);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    bool compute_dmask) {
+  return attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask, key_padding_mask,
+                                  is_causal, scale, dropout_p, seed, compute_dmask, attention_bwd_cuda);
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    bool compute_dmask) {
+  auto [dq, dk, dv, dmask] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
+                                                     scale, dropout_p, seed, compute_dmask);
+  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // an op returns no None
+}
+
+}  // namespace
+
+// Registered on request rather than by TORCH_LIBRARY_IMPL: where Triton loads, its kernels hold the
+// CUDA key, and a second registration for the key would override one of the two.
+void register_cuda_kernels() {
+  static torch::Library library(torch::Library::IMPL, "transformer_fast", c10::DispatchKey::CUDA, __FILE__,
+                                __LINE__);
+  static const bool registered = [] {
+    library.impl("attention_forward", &attention_forward_cuda);
+    library.impl("attention_backward", &attention_backward_cuda_op);
+    return true;
+  }();
+  (void)registered;
 }
 
 }  // namespace transformer_fast

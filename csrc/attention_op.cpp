@@ -82,9 +82,9 @@ AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, con
                                                                      : *key_padding_mask;
     check_key_padding_mask(a.key_padding_mask, B, Nk, a.q);
   }
-  a.q = unit_last_stride(a.q);
-  a.k = unit_last_stride(a.k);
-  a.v = unit_last_stride(a.v);
+  a.q = with_unit_last_stride(a.q);
+  a.k = with_unit_last_stride(a.k);
+  a.v = with_unit_last_stride(a.v);
   return a;
 }
 

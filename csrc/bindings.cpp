@@ -6,6 +6,9 @@
 //     dispatcher's (backend=..., the torch.func transforms);
 //   * the kernel-level functions, for those paths.
 #include "ops.h"
+#if defined(TRANSFORMER_FAST_WITH_CUDA)
+#include "attention.h"
+#endif
 
 #include <cstdlib>
 #include <cstring>
@@ -67,6 +70,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_backward", &tf::layer_norm_backward);
   m.def("linear_attention_forward", &tf::linear_attention_forward);
   m.def("linear_attention_backward", &tf::linear_attention_backward);
+#if defined(TRANSFORMER_FAST_WITH_CUDA)
+  m.def("attention_forward_cuda", &tf::attention_forward_cuda);
+  m.def("attention_backward_cuda", &tf::attention_backward_cuda);
+  m.def("register_cuda_kernels", &tf::register_cuda_kernels);
+#endif
   // The kernel families that also run on CUDA tensors in this build.
   m.def("cuda_families", [] {
 #if defined(TRANSFORMER_FAST_WITH_CUDA)

@@ -25,8 +25,6 @@ TRANSFORMER_FAST_OP(layer_norm_backward_composite, LayerNormBackwardCompositeSig
 
 namespace {
 
-at::Tensor defined_or_none(const at::Tensor& t) { return t.defined() && t.numel() > 0 ? t : at::Tensor(); }
-
 // (rows, width) with a unit stride along the width: a view where the strides allow it (a slice
 // along a leading dim does), else a copy.
 at::Tensor as_rows(const at::Tensor& t, const c10::SymInt& width) {
@@ -71,7 +69,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const auto weight = optional(saved[1]), bias = optional(saved[2]);
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool is_rms = ctx->saved_data["is_rms"].toBool(), has_residual = ctx->saved_data["has_residual"].toBool();
-    const at::Tensor dy = unit_last_stride(grads[0].defined() ? grads[0] : at::zeros_like(h));
+    const at::Tensor dy = with_unit_last_stride(grads[0].defined() ? grads[0] : at::zeros_like(h));
     const bool has_dh = has_residual && grads[1].defined();
     at::Tensor dx, dweight, dbias;
     if (at::GradMode::is_enabled()) {  // create_graph=True: a second derivative will be taken
@@ -80,11 +78,10 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       if (has_dh) dx = dx + grads[1];
     } else {
       const std::optional<at::Tensor> dh =
-          has_dh ? std::optional<at::Tensor>(unit_last_stride(grads[1])) : std::nullopt;
+          has_dh ? std::optional<at::Tensor>(with_unit_last_stride(grads[1])) : std::nullopt;
       std::tie(dx, dweight, dbias) = layer_norm_backward_op().call(dy, dh, h, weight, bias, saved[3], saved[4], eps, is_rms);
     }
-    return {dx, has_residual ? dx : at::Tensor(), weight ? defined_or_none(dweight) : at::Tensor(),
-            bias ? defined_or_none(dbias) : at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, has_residual ? dx : at::Tensor(), weight ? dweight : at::Tensor(), bias ? dbias : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

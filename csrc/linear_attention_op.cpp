@@ -46,9 +46,9 @@ LinearAttentionArgs linear_attention_args(const at::Tensor& query, const at::Ten
                     " and ", Nk);
   TORCH_CHECK_VALUE(eps > 0, "eps must be > 0 (it keeps the normaliser away from zero), got ", eps);
   check_key_padding_mask(a.key_padding_mask, B, Nk, a.q);
-  a.q = unit_last_stride(a.q);
-  a.k = unit_last_stride(a.k);
-  a.v = unit_last_stride(a.v);
+  a.q = with_unit_last_stride(a.q);
+  a.k = with_unit_last_stride(a.k);
+  a.v = with_unit_last_stride(a.v);
   return a;
 }
 

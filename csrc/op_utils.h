@@ -87,7 +87,7 @@ inline void check_key_padding_mask(const std::optional<at::Tensor>& mask, const 
 }
 
 // The kernels take a unit stride along the last dim; any other stride is kept.
-inline at::Tensor unit_last_stride(const at::Tensor& t) {
+inline at::Tensor with_unit_last_stride(const at::Tensor& t) {
   return (t.sym_size(-1) <= 1 || t.sym_stride(-1) == 1) ? t : t.contiguous();
 }
 

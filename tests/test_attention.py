@@ -189,7 +189,7 @@ SHORT_REDUCTIONS = [  # (B, H, Hk, Nq, Nk, D, Dv): every tile product over at mo
 def test_bf16_short_reductions_match_the_reference(case):
     """bf16 tile products over a few queries or keys: rounding P and dS to bf16 before them made
     gradients of 1-9 queries up to 2-4x the reference's error in fuzzing. The C++ backend makes
-    such products in fp32 (kShortReduction in csrc/attention.cpp), as the reference does, so this
+    such products in fp32 (kShortReduction in csrc/attention_tiles.h), as the reference does, so this
     asserts 1.25x the reference's error with no absolute slack (with bf16 products all four
     shapes failed 1.1x). Not 1.1x: these rows fit one key tile, where the kernel takes delta from
     P and dP rather than from the rounded output (test_attention_precision_tail.py), so it follows
@@ -503,3 +503,96 @@ def test_gpu_cpp_cuda_deterministic_and_long():
     for a, b in zip(first, run()):
         assert torch.equal(a, b)
     check_attention("cpp", q, k, v, is_causal=True, key_padding_mask=pad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The C++ entry points called directly, as any caller may, without the Python layer's checks.
+# ---------------------------------------------------------------------------------------------
+class _CppAttention(torch.autograd.Function):
+    """Causal attention through transformer_fast._C's attention_forward / attention_backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, pad, scale):
+        out, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, 0)
+        ctx.save_for_backward(q, k, v, mask, pad, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, pad, out, lse = ctx.saved_tensors
+        dq, dk, dv, dmask = _build.extension().attention_backward(
+            dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, 0, ctx.needs_input_grad[3])
+        return dq, dk, dv, dmask, None, None
+
+
+@pytest.mark.parametrize("B,H,Hk,Nq,Nk", [(2, 3, 3, 0, 5), (2, 3, 3, 5, 0), (2, 3, 3, 0, 0), (0, 3, 3, 5, 5),
+                                          (2, 0, 0, 5, 5), (2, 0, 1, 5, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_entry_points_empty_problems(B, H, Hk, Nq, Nk, dtype):
+    """No query rows or no keys: out = 0, lse = +inf, zero gradients (contiguous) and dmask."""
+    _need("cpp")
+    C = _build.extension()
+    q, k, v = make_qkv(B, H, Nq, Nk, 16, 24, Hk=Hk, dtype=dtype, layout="bnhd")
+    mask, pad = torch.randn(B, H, Nq, Nk, dtype=dtype), torch.zeros(B, Nk, dtype=torch.bool)
+    out, lse = C.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, 0)
+    assert out.shape == (B, H, Nq, 24) and out.dtype == dtype and (out == 0).all()
+    assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and (lse == float("inf")).all()
+    for compute_dmask in (False, True):
+        *grads, dmask = C.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25, 0.1,
+                                             0, compute_dmask)
+        for grad, t in zip(grads, (q, k, v)):
+            assert grad.shape == t.shape and grad.dtype == dtype and grad.is_contiguous() and (grad == 0).all()
+        if compute_dmask:
+            assert dmask.shape == (B, H, Nq, Nk) and dmask.dtype == dtype and (dmask == 0).all()
+        else:
+            assert dmask is None
+
+
+@pytest.mark.parametrize("D,Dv", [(0, 24), (16, 0), (0, 0)])
+@pytest.mark.parametrize("dtype,products", CPP_DTYPES_AND_PATHS, ids=str)
+def test_cpp_entry_points_head_dim_0(D, Dv, dtype):
+    """An empty dot product is 0: with D = 0 every score is 0 plus the masks (each row averages the
+    values of its allowed keys); with Dv = 0 out is empty, lse still each row's log-sum-exp, and the
+    gradients are 0. The packed products, whose register tiles leave a product over an empty
+    reduction unwritten, must not be used for them."""
+    _need("cpp")
+    B, H, Hk, Nq, Nk, scale = 2, 4, 2, 37, 70, 0.25
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
+    mask = random_attn_mask((B, H, Nq, Nk), "float", dtype=dtype)
+    pad = random_key_padding(B, Nk, fully_padded_row=1)
+    compare_with_reference(
+        lambda q, k, v, mask: _CppAttention.apply(q, k, v, mask, pad, scale),
+        lambda q, k, v, mask: reference.scaled_dot_product_attention(q, k, v, mask, True, scale, key_padding_mask=pad),
+        (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what=f"D={D}, Dv={Dv}")
+    _, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, 0)
+    bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad, is_causal=True,
+                                    dtype=torch.float64)
+    expected = torch.logsumexp(bias, dim=-1) if D == 0 else torch.logsumexp(
+        q.double() @ k.double().repeat_interleave(H // Hk, 1).transpose(-2, -1) * scale + bias, dim=-1)
+    expected = torch.where(torch.isneginf(expected), float("inf"), expected)
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert (lse.double()[finite] - expected[finite]).abs().max() < 1e-5
+
+
+def test_cpp_entry_points_reject_inconsistent_shapes():
+    """The kernels read k, v, dout, out and lse by the sizes of q (and k): a mismatch is a
+    ValueError naming the tensor, not a read past its end."""
+    _need("cpp")
+    C = _build.extension()
+    q, k, v = make_qkv(2, 4, 5, 7, 16, 8, Hk=2)
+    for args, match in [((q, k[:1], v), r"k must have shape \[2, 2, 7, 16\], got \[1, 2, 7, 16\]"),
+                        ((q, k[..., :8], v), r"k must have shape \[2, 2, 7, 16\]"),
+                        ((q, k, v[:, :, :6]), r"v must have shape \[2, 2, 7, 8\], got \[2, 2, 6, 8\]"),
+                        ((q, k[:, :1], v[:, :1]), None), ((q[:, :3], k, v), r"key heads \(2\) must divide")]:
+        if match is None:  # one key head serves all four query heads
+            C.attention_forward(*args, None, None, False, 0.25, 0.0, 0)
+            continue
+        with pytest.raises(ValueError, match=match):
+            C.attention_forward(*args, None, None, False, 0.25, 0.0, 0)
+    out, lse = C.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0)
+    for dout, o, l, match in [(out[:, :, :4], out, lse, "dout must have shape"), (out, out[..., :4], lse, "out must"),
+                              (out, out, lse[:1], r"lse must have shape \[2, 4, 5\]")]:
+        with pytest.raises(ValueError, match=match):
+            C.attention_backward(dout, q, k, v, o, l, None, None, False, 0.25, 0.0, 0, False)

@@ -136,7 +136,7 @@ def kernel(name: str, backend: str, device_type: str = "cpu"):
     """The kernel-level function ``name`` ("attention_forward", ...) of ``backend`` (for the C++
     backend, its kernel for ``device_type``)."""
     if backend == "cpp":
-        return getattr(_build.extension(), name)
+        return getattr(_build.extension(), name + ("_cuda" if device_type == "cuda" else ""))
     if backend == "triton":
         module, reason = load_triton()
         if module is None:

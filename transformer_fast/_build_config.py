@@ -6,9 +6,10 @@ This file imports nothing from the package, so ``setup.py`` can execute it befor
 import os
 import platform
 
-# One translation unit per kernel family plus the bindings: the build is ~30 s a file on two cores.
-SOURCES = ("schemas.cpp", "attention.cpp", "attention_op.cpp", "layer_norm.cpp", "layer_norm_op.cpp",
-           "linear_attention.cpp", "linear_attention_op.cpp", "bindings.cpp")
+# The kernels (softmax attention: forward and backward apart), their dispatcher layers, the
+# schemas and the bindings, one translation unit each, so that a parallel build compiles them side by side.
+SOURCES = ("schemas.cpp", "attention_forward.cpp", "attention_backward.cpp", "attention_op.cpp", "layer_norm.cpp",
+           "layer_norm_op.cpp", "linear_attention.cpp", "linear_attention_op.cpp", "bindings.cpp")
 # CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
 CUDA_SOURCES = ("attention_cuda.cu",)
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"

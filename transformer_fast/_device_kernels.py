@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _backends
+from . import _backends, _build
 
 _INF = float("inf")
 
@@ -104,9 +104,14 @@ def register():
     if _library is not None:
         return
     _library = torch.library.Library("transformer_fast", "IMPL")
-    cuda_backend = {family: _backends.dispatcher_backend("cuda", family) for family in _backends.FAMILIES}
     for name in OPS:
         _library.impl(name, op_kernel(name, "reference"), "CompositeExplicitAutograd")
-        backend = cuda_backend[name.rsplit("_", 1)[0]]
-        if backend != "reference":
-            _library.impl(name, op_kernel(name, backend, "cuda"), "CUDA")
+    if not torch.cuda.is_available():
+        return
+    for family in _backends.FAMILIES:
+        backend = _backends.dispatcher_backend("cuda", family)
+        if backend == "triton":
+            for name in (f"{family}_forward", f"{family}_backward"):
+                _library.impl(name, op_kernel(name, "triton", "cuda"), "CUDA")
+        elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/attention_cuda.cu)
+            _build.extension().register_cuda_kernels()

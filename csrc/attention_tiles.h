@@ -1,0 +1,411 @@
+// Softmax attention on the CPU: FlashAttention-2 style forward (attention_forward.cpp) and
+// backward (attention_backward.cpp). This header holds what the two share: per-thread tile
+// buffers, the masks applied to a score tile, the tile sizes and the task queue that spreads
+// tiles over threads, the packed operands, the score product and the entry points' input checks.
+//
+// Queries and keys are processed in tiles with an online softmax, so nothing of size Nq x Nk is
+// ever allocated: each thread owns a (BLOCK_M x BLOCK_N) score tile and an fp32 output
+// accumulator. Tile products go through cpu_blas.h: fp32 through its AVX-512 register tiles
+// (the scores against K^T and V^T packed once per call) where the CPU has AVX-512, else MKL;
+// fp16 through MKL; bf16 through PyTorch's packed brgemm micro-kernel (AMX) with operands packed
+// once per call, where the CPU has it (else MKL's bf16 gemm). bf16/fp16 tiles multiply in their
+// own type into fp32. The softmax goes through at::vec. The contract (shapes, strides, masks, lse) is in
+// transformer_fast/attention.py.
+//
+// Masked positions are never multiplied by zero: a key that no row of a tile may attend to is
+// left out of the tile's value (and, in the backward, key) products, or its packed rows are
+// zeroed, so NaN or inf stored in padded keys/values cannot reach the output or the gradients.
+#pragma once
+
+#include "cpu_capability.h"  // first: selects at::vec's ISA
+
+#include "attention.h"
+#include "attention_softmax.h"
+#include "cpu_blas.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+namespace transformer_fast {
+namespace cpu_attention {
+
+using cpu_blas::gemm;
+
+// Per-thread tile buffers start on a cache line. With malloc's 16-byte alignment every 64-byte
+// vector load and store of a tile row straddled two lines: the bf16 forward's row max alone cost
+// as much as a fifth of its tile products (docs/design.md).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using TileBuffer = std::vector<T, CacheLineAllocator<T>>;
+
+// Key-block status under the key padding mask.
+enum : uint8_t { kNoPadding = 0, kSomePadding = 1, kAllPadding = 2 };
+
+// Status of each key block of each batch under the padding mask: (B, ceil(Nk / block)).
+inline std::vector<uint8_t> padding_status(const Problem& p, int64_t block) {
+  const int64_t nblocks = (p.Nk + block - 1) / block;
+  std::vector<uint8_t> status(p.B * nblocks, kNoPadding);
+  if (p.pad == nullptr) return status;
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t n = 0; n < nblocks; ++n) {
+      const int64_t j0 = n * block, j1 = std::min(p.Nk, j0 + block);
+      int64_t padded = 0;
+      for (int64_t j = j0; j < j1; ++j) padded += p.pad[b * p.Nk + j];
+      status[b * nblocks + n] = padded == 0 ? kNoPadding : padded == j1 - j0 ? kAllPadding : kSomePadding;
+    }
+  }
+  return status;
+}
+
+template <typename mask_t>
+void add_float_mask(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, const mask_t* base,
+                    int64_t i0, int64_t j0) {
+  for (int64_t r = 0; r < bm; ++r) {
+    const mask_t* m = base + (i0 + r) * p.msm + j0 * p.msn;
+    float* s = S + r * ldS;
+    if (p.msn == 1) {
+      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c]);
+    } else {
+      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c * p.msn]);
+    }
+  }
+}
+
+// Applies attn_mask, causality and key padding to the scaled score tile S (rows i0.., keys j0..).
+// The float mask is added first, so that the -inf of padding/causality overwrite whatever a
+// garbage key or mask value produced. Returns whether any position may have been masked.
+template <typename scalar_t>
+bool apply_masks(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, int64_t b, int64_t h,
+                 int64_t i0, int64_t j0, uint8_t pad_status) {
+  bool masked = false;
+  if (p.mask != nullptr) {
+    masked = true;
+    const int64_t off = b * p.msb + h * p.msh;
+    if (p.mask_is_bool) {
+      const bool* base = static_cast<const bool*>(p.mask) + off;
+      for (int64_t r = 0; r < bm; ++r) {
+        const bool* m = base + (i0 + r) * p.msm + j0 * p.msn;
+        float* s = S + r * ldS;
+        for (int64_t c = 0; c < bn; ++c) s[c] = m[c * p.msn] ? s[c] : kNegInf;
+      }
+    } else {
+      add_float_mask(p, S, ldS, bm, bn, static_cast<const scalar_t*>(p.mask) + off, i0, j0);
+    }
+  }
+  if (p.causal && j0 + bn - 1 > i0) {  // some key lies right of the diagonal
+    masked = true;
+    for (int64_t r = 0; r < bm; ++r) {
+      float* s = S + r * ldS;
+      for (int64_t c = std::max<int64_t>(0, i0 + r - j0 + 1); c < bn; ++c) s[c] = kNegInf;
+    }
+  }
+  if (pad_status == kSomePadding) {
+    masked = true;
+    const bool* pad = p.pad + b * p.Nk + j0;
+    for (int64_t r = 0; r < bm; ++r) {
+      float* s = S + r * ldS;
+      for (int64_t c = 0; c < bn; ++c) s[c] = pad[c] ? kNegInf : s[c];
+    }
+  }
+  return masked;
+}
+
+// The keys of a tile that some row uses: [lo, hi), and whether keys in between are unused.
+struct UsedKeys {
+  int64_t lo, hi;
+  bool holes;
+};
+
+// From the column sums of a probability tile: a key is used iff its column is not all zero.
+inline UsedKeys used_keys(const float* colsum, int64_t bn) {
+  UsedKeys u{0, 0, false};
+  int64_t lo = 0;
+  while (lo < bn && colsum[lo] == 0.f) ++lo;
+  int64_t hi = bn;
+  while (hi > lo && colsum[hi - 1] == 0.f) --hi;
+  u.lo = lo;
+  u.hi = hi;
+  for (int64_t c = lo; c < hi && !u.holes; ++c) u.holes = colsum[c] == 0.f;
+  return u;
+}
+
+// rows [lo, hi) of a (rows, width) strided matrix into dst (ld = width), unused rows zeroed.
+template <typename T>
+void copy_used_rows(const T* src, int64_t ld, int64_t width, const float* colsum, int64_t lo, int64_t hi, T* dst) {
+  for (int64_t c = lo; c < hi; ++c) {
+    T* d = dst + (c - lo) * width;
+    if (colsum[c] == 0.f) {
+      std::fill(d, d + width, T(0));
+    } else {
+      std::memcpy(d, src + c * ld, width * sizeof(T));
+    }
+  }
+}
+
+// Rows of a strided operand to feed a tile product restricted to the used keys: either the
+// operand itself from row lo, or a copy with the unused rows zeroed.
+template <typename T>
+inline const T* used_operand(const T* src, int64_t ld, int64_t width, const float* colsum, const UsedKeys& u,
+                             T* scratch, int64_t* ld_out) {
+  if (!u.holes) {
+    *ld_out = ld;
+    return src + u.lo * ld;
+  }
+  copy_used_rows(src, ld, width, colsum, u.lo, u.hi, scratch);
+  *ld_out = width;
+  return scratch;
+}
+
+// bf16/fp16: the tile products P V, dS K (over a tile's keys) and P^T dO, dS^T Q (over its query
+// rows) take P and dS rounded to the inputs' dtype, a rounding as large as the result's own. Over
+// many terms it averages out; over a handful it does not: fuzzing found gradients of 1-9 queries,
+// or of queries with 1-3 keys, at 2-4x the reference's error. Tile products over at most this
+// many terms take P and dS in fp32 instead, with the other operand's few rows converted to fp32.
+// Not done in the packed products (no other products are mixed into brgemm's AMX tile state, and
+// there at least 256 query rows share a block, so short products are rare), nor for rows with few
+// keys inside a longer tile, such as a causal tile's first rows.
+constexpr int64_t kShortReduction = 16;
+
+// rows x width of a strided bf16/fp16 operand as fp32, packed (ld = width) into dst.
+template <typename T>
+const float* rows_as_float(const T* src, int64_t ld, int64_t rows, int64_t width, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) at::vec::convert(src + r * ld, dst + r * width, width);
+  return dst;
+}
+
+// Tasks [0, n) handed out one at a time, in order, to whichever thread asks next.
+class TaskQueue {
+ public:
+  explicit TaskQueue(int64_t n) : n_(n) {}
+  bool pop(int64_t& task) {
+    task = next_.fetch_add(1, std::memory_order_relaxed);
+    return task < n_;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t n_;
+};
+
+// Runs worker(queue) on each of at::parallel_for's threads, which take the tasks from one queue.
+// at::parallel_for alone gives each thread one fixed share of the tasks; when one core runs
+// slower for a while (common on a shared VM), the other then waits at the end of the call
+// (forward+backward 4% faster this way; docs/design.md). Each task writes its own outputs,
+// so which thread runs it does not change the result.
+template <typename Worker>
+void parallel_tasks(int64_t n, Worker&& worker) {
+  TaskQueue queue(n);
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) { worker(queue); });
+}
+
+struct Blocks {
+  int64_t m, n;
+};
+
+// Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; the alternatives measured are in
+// docs/design.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
+// when that leaves too few tasks for the threads. Backward: 128 query rows (or the forward's, where
+// fewer) by 512 keys in fp32, or 128 keys when causal (the diagonal's tiles are skipped more
+// finely) and in bf16 (its packed products and transposes ran 7% faster on 128).
+//
+// The backward recomputes the scores S = scale * Q K^T and turns them into probabilities with
+// the forward's log-sum-exp, so it must reproduce the forward's S bit for bit: MKL sums a
+// product in an order that depends on the shape of the call, and a score that differs by one
+// rounding (about 1e-5 for |S| ~ 50) skews exp(S - lse) by as much, which tripled the fp32
+// gradient error for peaked softmaxes. So the forward computes S in the backward's tiles
+// (score_tile's unit), at the same origins (the backward tile divides the forward's). (The
+// forward's query tile depends on the thread count: a backward run with another thread count
+// than its forward may get other tiles, which changes only the scores' rounding.)
+inline Blocks forward_blocks(const Problem& p) {
+  int64_t bm = 256;
+  const int64_t min_tasks = 4 * at::get_num_threads();
+  while (bm > 32 && p.B * p.H * ((p.Nq + bm - 1) / bm) < min_tasks) bm /= 2;
+  return {std::min(bm, p.Nq), std::min<int64_t>(512, p.Nk)};
+}
+
+template <typename scalar_t>
+Blocks backward_blocks(const Problem& p) {
+  const int64_t bn = std::is_same_v<scalar_t, float> && !p.causal ? 512 : 128;
+  return {std::min<int64_t>(128, forward_blocks(p).m), std::min<int64_t>(bn, p.Nk)};
+}
+
+// ---- Operands for the packed tile products of cpu_blas.h: bf16 (AMX), and fp32's K^T and V^T.
+inline int64_t round_up_even(int64_t n) { return n + (n & 1); }
+
+// Blocks of `block` rows of a (B, heads, N, W) tensor, each packed once as the B operand of a
+// tile product: the block itself (K = its rows, rounded up to even with a zero row), or its
+// transpose (K = W, which must be even).
+template <typename scalar_t>
+struct PackedBlocks {
+  at::Tensor storage;
+  int64_t n_blocks = 0, size = 0;
+  scalar_t* at(int64_t bh, int64_t n) const { return storage.data_ptr<scalar_t>() + (bh * n_blocks + n) * size; }
+};
+
+template <typename scalar_t>
+PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool transpose) {
+  const int64_t heads = t.size(1), N = t.size(2), W = t.size(3);
+  PackedBlocks<scalar_t> packed;
+  packed.n_blocks = (N + block - 1) / block;
+  packed.size = transpose ? cpu_blas::packed_size<scalar_t>(W, block)
+                          : cpu_blas::packed_size<scalar_t>(round_up_even(block), W);
+  packed.storage = at::empty({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
+  const scalar_t* data = t.data_ptr<scalar_t>();
+  at::parallel_for(0, t.size(0) * heads * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
+    TileBuffer<scalar_t> scratch(std::is_same_v<scalar_t, float> ? 0 : round_up_even(block) * W);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / packed.n_blocks, n = task % packed.n_blocks;
+      const int64_t j0 = n * block, rows = std::min(block, N - j0);
+      const scalar_t* src = data + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j0 * t.stride(2);
+      scalar_t* dst = packed.at(bh, n);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (transpose) {  // (fp32 packs only transposes: the score products' K^T and V^T)
+          cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst);
+          continue;
+        }
+      }
+      if (transpose) {
+        at::from_blob(scratch.data(), {W, rows}, t.options())
+            .copy_(at::from_blob(const_cast<scalar_t*>(src), {rows, W}, {t.stride(2), 1}, t.options()).t());
+        cpu_blas::pack_b(scratch.data(), rows, W, rows, dst);
+      } else if (rows % 2 == 0) {
+        cpu_blas::pack_b(src, t.stride(2), rows, W, dst);
+      } else {
+        for (int64_t c = 0; c < rows; ++c) std::memcpy(scratch.data() + c * W, src + c * t.stride(2), W * sizeof(scalar_t));
+        std::fill(scratch.data() + rows * W, scratch.data() + (rows + 1) * W, scalar_t(0));
+        cpu_blas::pack_b(scratch.data(), W, rows + 1, W, dst);
+      }
+    }
+  });
+  return packed;
+}
+
+// The B operand of a product over the keys of a tile that leaves some unused (colsum 0): the
+// (bn x width) key rows packed afresh with the unused rows zeroed, so that NaN or inf stored
+// there cannot meet the zero probabilities. (Mixing in MKL's own AMX products instead would
+// leave brgemm's tile state stale.)
+template <typename scalar_t>
+const scalar_t* pack_used_rows(const scalar_t* src, int64_t ld, int64_t width, const float* colsum, int64_t bn,
+                               scalar_t* scratch, scalar_t* packed) {
+  for (int64_t c = 0; c < round_up_even(bn); ++c) {
+    scalar_t* dst = scratch + c * width;
+    if (c < bn && colsum[c] != 0.f) {
+      std::memcpy(dst, src + c * ld, width * sizeof(scalar_t));
+    } else {
+      std::fill(dst, dst + width, scalar_t(0));
+    }
+  }
+  cpu_blas::pack_b(scratch, width, round_up_even(bn), width, packed);
+  return packed;
+}
+
+// Packing a block costs about as much as multiplying it by a few hundred rows: measured (bf16,
+// Nk = 4096, 2 threads), the packed forward loses to MKL below ~256 query rows per key/value
+// block (23x at Nq = 1, decoding) and wins from ~512 (1.4x at 2048). So packing needs that many
+// rows to share each packed block: query rows (times the GQA group) for K and V, and for the
+// backward's Q and dO also that many keys. TRANSFORMER_FAST_PACK_MIN_ROWS overrides the 256 (read
+// per call; the tests use it to run both paths on small shapes).
+inline bool packing_pays_off(int64_t rows_per_block) {
+  const char* env = std::getenv("TRANSFORMER_FAST_PACK_MIN_ROWS");
+  return rows_per_block >= (env != nullptr ? std::atoll(env) : 256);
+}
+
+// Whether the scores S = Q K^T go through K^T packed once per call (bf16/fp16: AMX brgemm; fp32:
+// cpu_blas's register tiles, in panels). The forward and the backward decide it alike, so that
+// the backward recomputes the forward's scores bit for bit (see score_tile). Not with a head dim
+// of 0: over an empty reduction the fp32 register tiles leave the tile unwritten (nor is brgemm
+// relied on there), where gemm writes the zeros that are then the scores (D = 0) or dP (Dv = 0).
+template <typename scalar_t>
+bool packed_scores(const Problem& p) {
+  return cpu_blas::packed_products_available<scalar_t>() && p.D > 0 && p.Dv > 0 && p.D % 2 == 0 &&
+         packing_pays_off(p.Nq * (p.H / p.Hk));
+}
+
+// C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product. fp32:
+// in units of unit.m x unit.n, each through the packed panels (register tiles) where it has at
+// least cpu_blas::kRegisterMinDim rows and columns, else through MKL, which makes such small
+// products more accurately (cpu_blas.h). The forward and the backward split the same rows and
+// keys into the same units (see score_tile), so they choose alike for every score.
+template <typename scalar_t>
+void packed_nt_product(const Blocks& unit, int64_t bm, int64_t bn, int64_t K, const scalar_t* A, int64_t lda,
+                       const scalar_t* b_rows, int64_t ldb, const scalar_t* b_packed, float* C, int64_t ldc) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    cpu_blas::packed_gemm(bm, bn, K, A, lda, b_packed, false, C, ldc);
+  } else {
+    for (int64_t r = 0; r < bm; r += unit.m) {
+      for (int64_t c = 0; c < bn; c += unit.n) {
+        const int64_t rows = std::min(unit.m, bm - r), cols = std::min(unit.n, bn - c);
+        float* out = C + r * ldc + c;
+        if (cpu_blas::register_tiles_suit(rows, cols)) {
+          cpu_blas::packed_gemm(rows, cols, K, A + r * lda, lda, cpu_blas::packed_columns(b_packed, K, c), false, out,
+                                ldc);
+        } else {
+          gemm(false, true, rows, cols, K, 1.f, A + r * lda, lda, b_rows + c * ldb, ldb, 0.f, out, ldc);
+        }
+      }
+    }
+  }
+}
+
+// S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
+// The packed products take no alpha, so there the scale is left for the exponent (returned: what
+// S still has to be multiplied by) unless a float mask must be added to scaled scores (or
+// scale <= 0, where max(s) * scale is not the scaled row's max): then it is applied here. MKL
+// sums a product in an order that depends on the shape of the call, so its products are made in
+// units of unit.m x unit.n (the backward's tiles; see backward_blocks): the forward and the
+// backward then compute every score the same way. (The packed bf16 path rounds P to bf16, which
+// is far coarser than a differently summed fp32 score.)
+template <typename scalar_t>
+float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar_t* qt, int64_t qsn,
+                 const scalar_t* k_tile, int64_t ksn, const scalar_t* kt_packed, int64_t bm, int64_t bn, float* S,
+                 int64_t ldS) {
+  if (!packed) {
+    for (int64_t r = 0; r < bm; r += unit.m) {
+      for (int64_t c = 0; c < bn; c += unit.n) {
+        gemm(false, true, std::min(unit.m, bm - r), std::min(unit.n, bn - c), p.D, p.scale, qt + r * qsn, qsn,
+             k_tile + c * ksn, ksn, 0.f, S + r * ldS + c, ldS);
+      }
+    }
+    return 1.f;
+  }
+  packed_nt_product(unit, bm, bn, p.D, qt, qsn, k_tile, ksn, kt_packed, S, ldS);
+  if (p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool)) return p.scale;
+  for (int64_t r = 0; r < bm; ++r) scale_row(S + r * ldS, bn, p.scale);
+  return 1.f;
+}
+
+// Calls fn(scalar_t{}) for the dtypes with kernels: fp32, bf16, fp16 (tiles accumulate in fp32).
+template <typename Fn>
+void dispatch_dtype(const char* fn_name, at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: return fn(float{});
+    case at::kBFloat16: return fn(at::BFloat16{});
+    case at::kHalf: return fn(at::Half{});
+    default: TORCH_CHECK(false, fn_name, ": unsupported dtype ", dtype, " (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace cpu_attention
+}  // namespace transformer_fast
