@@ -1,4 +1,5 @@
-// What the CPU (attention.cpp) and CUDA (attention_cuda.cu) softmax-attention kernels share: the
+// What the CPU (attention_forward.cpp, attention_backward.cpp) and CUDA (attention_cuda.cu)
+// softmax-attention kernels share: their entry points' common part, the
 // description of a problem, and the dropout mask, which both regenerate from the same hash (so a
 // seed drops the same probabilities on either device).
 #pragma once

@@ -3,7 +3,7 @@
 // in attention_cuda.cu, a run on CPU threads in the tests (tests/cuda_emulation.cpp), which
 // checks this code on machines without a GPU.
 //
-// Same contract and semantics as attention.cpp (transformer_fast/attention.py documents them),
+// Same contract and semantics as the CPU kernels (transformer_fast/attention.py documents them),
 // including the dropout mask, regenerated from the hash in attention.h. These kernels run on the
 // CUDA cores in fp32 (no tensor cores) and use no atomics, so they are deterministic; the fast
 // GPU path is the Triton kernels.
@@ -66,7 +66,7 @@ __device__ inline float warp_sum(float x) {
   return x;
 }
 
-// The scaled, masked score of query i and key j (b, h: batch and query head), as attention.cpp's
+// The scaled, masked score of query i and key j (b, h: batch and query head), as the CPU kernels'
 // apply_masks: the float mask is added first, so the -inf of a disallowed position replaces
 // whatever a garbage key or mask value produced.
 template <typename scalar_t>

@@ -108,6 +108,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;
     ctx->mark_non_differentiable({lse});
+    // The statistics never get a gradient: no zero tensors are made for them (undefined grads are
+    // handled in backward), which measurably costs a small call's backward.
+    ctx->set_materialize_grads(false);
     return {out, lse};
   }
 
@@ -176,6 +179,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_au
                                       dropout_p, seed, compute_dmask);
 }
 
+// The backward op is never differentiated itself (second derivatives go through
+// attention_backward_composite): its autograd kernel steps below autograd, and refuses inputs that would
+// need a graph rather than return a result without one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    bool compute_dmask) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask), "transformer_fast::attention_backward is not differentiable; "
+                              "differentiate the forward op with create_graph=True instead");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask);
+}
+
 }  // namespace
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -194,6 +211,7 @@ TORCH_LIBRARY_IMPL(transformer_fast, CompositeImplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
+  m.impl("attention_backward", &attention_backward_autograd);
   m.impl("attention_forward", &attention_forward_autograd);
 }
 

@@ -108,6 +108,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward_autocas
   return linear_attention_backward_op().call(dout, q, k, v, key_padding_mask, is_causal, eps);
 }
 
+// The backward op is never differentiated itself (second derivatives go through
+// linear_attention_backward_composite): its autograd kernel steps below autograd, and refuses inputs that would
+// need a graph rather than return a result without one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v), "transformer_fast::linear_attention_backward is not differentiable; "
+                              "differentiate the forward op with create_graph=True instead");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return linear_attention_backward_op().call(dout, q, k, v, key_padding_mask, is_causal, eps);
+}
+
 }  // namespace
 
 at::Tensor linear_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
@@ -121,6 +133,7 @@ TORCH_LIBRARY_IMPL(transformer_fast, CompositeImplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
+  m.impl("linear_attention_backward", &linear_attention_backward_autograd);
   m.impl("linear_attention_forward", &linear_attention_forward_autograd);
 }
 

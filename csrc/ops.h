@@ -15,7 +15,7 @@ namespace transformer_fast {
 // NaN (or all-ones bits for integer types), so tests catch a kernel that leaves any element unwritten.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
-// ---- softmax attention (attention.cpp) ----
+// ---- softmax attention (attention_forward.cpp, attention_backward.cpp) ----
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,

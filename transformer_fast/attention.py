@@ -1,7 +1,7 @@
-"""Softmax attention: the public ``scaled_dot_product_attention`` and its custom op.
+"""Softmax attention: the public ``scaled_dot_product_attention`` and the fake kernels of its ops.
 
-The kernels (``kernels/attention.py`` for Triton, ``csrc/attention.cpp`` for C++) share one
-signature:
+The kernels (``kernels/attention.py`` for Triton; ``csrc/attention_forward.cpp`` and
+``attention_backward.cpp`` for C++) share one signature:
 
     attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
         -> (out, lse)
