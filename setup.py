@@ -3,7 +3,7 @@
 The C++ extension ``transformer_fast._C`` is compiled against the torch that is already
 installed, so install with ``pip install --no-build-isolation .`` after installing torch.
 Set ``TRANSFORMER_FAST_NO_BUILD=1`` to skip the build: the package then JIT-builds the same
-sources on first use (``transformer_fast/_dispatch.py``, ``cpp_extension``).
+sources on import (``transformer_fast/_build.py``, ``cpp_extension``).
 """
 import os
 import runpy

@@ -1,5 +1,5 @@
-"""LayerNorm and RMSNorm with the residual add fused in: the public functions and their custom
-ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
+"""LayerNorm and RMSNorm with the residual add fused in: the public functions and the fake kernels
+of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
 
 The kernels (``kernels/layer_norm.py``, ``csrc/layer_norm.cpp``) work on rows:
 

@@ -1,5 +1,5 @@
 """Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs") with the feature map
-phi(x) = elu(x) + 1: the public functions, the custom op, and the recurrent step for decoding.
+phi(x) = elu(x) + 1: the public functions, the fake kernels of its ops, and the recurrent step for decoding.
 
 The kernels (``kernels/linear_attention.py``, ``csrc/linear_attention.cpp``) share one signature:
 
