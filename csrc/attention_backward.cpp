@@ -276,7 +276,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    bool compute_dmask) {
+    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k) {
+  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k,
+                                        std::nullopt, std::nullopt, max_q, max_k, 0);
+  TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), "attention_backward (C++ CPU): windows, softcap, ALiBi and packed "
+                              "sequences are not implemented yet");
   return attention_backward_entry(
       c10::DeviceType::CPU, dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
       compute_dmask,
@@ -295,9 +301,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    bool compute_dmask) {
+    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k) {
   auto [dq, dk, dv, dmask] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
-                                                scale, dropout_p, seed, compute_dmask);
+                                                scale, dropout_p, seed, compute_dmask, window, softcap, alibi_slopes,
+                                                cu_seq_q, cu_seq_k, max_q, max_k);
   return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // an op returns no None
 }
 

@@ -61,10 +61,23 @@ void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tens
 
 }  // namespace
 
+// The C++ CUDA kernels serve the dense masks only; with Triton (the CUDA path) every feature runs.
+static void check_dense_only(const AttentionExtras& x, const char* fn) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), fn, ": the C++ CUDA attention kernels (the fallback where Triton is "
+                              "missing) do not implement sliding windows, softcap, ALiBi, sinks or packed "
+                              "sequences; install Triton to run them on CUDA tensors");
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed) {
+    int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
+  check_dense_only(make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                               max_q, max_k, num_splits),
+                   "attention_forward");
   return attention_forward_entry(c10::DeviceType::CUDA, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
                                  dropout_p, seed, attention_fwd_cuda);
 }
@@ -73,7 +86,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    bool compute_dmask) {
+    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k) {
+  check_dense_only(make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k, std::nullopt,
+                               std::nullopt, max_q, max_k, 0),
+                   "attention_backward");
   return attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                                   is_causal, scale, dropout_p, seed, compute_dmask, attention_bwd_cuda);
 }
@@ -84,9 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    bool compute_dmask) {
+    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+    int64_t max_k) {
   auto [dq, dk, dv, dmask] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
-                                                     scale, dropout_p, seed, compute_dmask);
+                                                     scale, dropout_p, seed, compute_dmask, window, softcap,
+                                                     alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k);
   return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // an op returns no None
 }
 

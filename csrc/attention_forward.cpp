@@ -146,7 +146,14 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed) {
+    int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
+    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
+  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k,
+                                        block_table, max_q, max_k, num_splits);
+  TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), "attention_forward (C++ CPU): windows, softcap, ALiBi, sinks and packed "
+                              "sequences are not implemented yet");
   return attention_forward_entry(
       c10::DeviceType::CPU, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
       [](const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,

@@ -31,12 +31,61 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 
 }  // namespace transformer_fast
 
+namespace {
+
+namespace py = pybind11;
+
+at::OptionalIntArrayRef optional_array(const std::optional<std::vector<int64_t>>& values) {
+  return values.has_value() ? at::OptionalIntArrayRef(*values) : at::OptionalIntArrayRef();
+}
+
+// The kernel-level attention functions (attention_forward<suffix>, attention_backward<suffix>),
+// with the schemas' defaults (schemas.cpp).
+template <typename Forward, typename Backward>
+void def_attention_kernels(py::module& m, const std::string& suffix, Forward forward, Backward backward) {
+  m.def(("attention_forward" + suffix).c_str(), forward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("attn_mask"), py::arg("key_padding_mask"), py::arg("is_causal"), py::arg("scale"),
+        py::arg("dropout_p"), py::arg("seed"), py::arg("window") = std::vector<int64_t>{-1, -1},
+        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(), py::arg("seqused_k") = py::none(),
+        py::arg("block_table") = py::none(), py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("num_splits") = 0);
+  m.def(("attention_backward" + suffix).c_str(), backward, py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("attn_mask"), py::arg("key_padding_mask"),
+        py::arg("is_causal"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("compute_dmask"),
+        py::arg("window") = std::vector<int64_t>{-1, -1}, py::arg("softcap") = 0.0,
+        py::arg("alibi_slopes") = py::none(), py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(),
+        py::arg("max_q") = 0, py::arg("max_k") = 0);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace tf = transformer_fast;
   namespace py = pybind11;
   m.doc() = "transformer_fast C++ kernels and op registrations (CPU; CUDA for attention where built with CUDA)";
 
-  m.def("scaled_dot_product_attention", &tf::scaled_dot_product_attention);
+  m.def("scaled_dot_product_attention",
+        [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+           const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+           bool enable_gqa, const std::optional<at::Tensor>& key_padding_mask, int64_t seed,
+           const std::optional<std::vector<int64_t>>& window_size, std::optional<double> softcap,
+           const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+          return tf::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                  enable_gqa, key_padding_mask, seed, optional_array(window_size),
+                                                  softcap, alibi_slopes, sinks);
+        });
+  m.def("varlen_attn", [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+                          int64_t max_k, bool return_lse, std::optional<double> scale,
+                          const std::vector<int64_t>& window_size, bool enable_gqa,
+                          const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
+                          std::optional<int64_t> num_splits, std::optional<double> softcap,
+                          const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+                          double dropout_p, int64_t seed) {
+    return tf::varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, window_size,
+                           enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p,
+                           seed);
+  });
   m.def("layer_norm", [](const at::Tensor& input, const std::vector<int64_t>& normalized_shape,
                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                          std::optional<double> eps, const std::optional<at::Tensor>& residual, bool is_rms) {
@@ -44,12 +93,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("linear_attention", &tf::linear_attention);
 
-  m.def("attention_args", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-                             std::optional<double> scale, bool enable_gqa,
-                             const std::optional<at::Tensor>& key_padding_mask) {
-    const auto a = tf::attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask);
-    return py::make_tuple(a.q, a.k, a.v, a.attn_mask, a.key_padding_mask, a.scale, a.unbatched);
+  // (q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras): extras is a dict of the kernel
+  // ops' arguments beyond the dense masks, by their schema names.
+  const auto with_extras = [](const tf::AttentionArgs& a) {
+    const tf::AttentionExtras& x = a.x;
+    py::dict extras;
+    extras["window"] = py::make_tuple(x.window_left, x.window_right);
+    extras["softcap"] = x.softcap;
+    extras["alibi_slopes"] = x.alibi_slopes;
+    extras["sinks"] = x.sinks;
+    extras["cu_seq_q"] = x.cu_seq_q;
+    extras["cu_seq_k"] = x.cu_seq_k;
+    extras["seqused_k"] = x.seqused_k;
+    extras["block_table"] = x.block_table;
+    extras["max_q"] = x.max_q;
+    extras["max_k"] = x.max_k;
+    extras["num_splits"] = x.num_splits;
+    return py::make_tuple(a.q, a.k, a.v, a.attn_mask, a.key_padding_mask, a.scale, a.unbatched, extras);
+  };
+  m.def("attention_args", [with_extras](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                                        std::optional<double> scale, bool enable_gqa,
+                                        const std::optional<at::Tensor>& key_padding_mask,
+                                        std::optional<std::vector<int64_t>> window_size, std::optional<double> softcap,
+                                        const std::optional<at::Tensor>& alibi_slopes,
+                                        const std::optional<at::Tensor>& sinks) {
+    return with_extras(tf::attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                          key_padding_mask, optional_array(window_size), softcap, alibi_slopes,
+                                          sinks));
+  });
+  m.def("varlen_args", [with_extras](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+                                     int64_t max_q, int64_t max_k, std::optional<double> scale,
+                                     const std::vector<int64_t>& window_size, bool enable_gqa,
+                                     const std::optional<at::Tensor>& seqused_k,
+                                     const std::optional<at::Tensor>& block_table, std::optional<int64_t> num_splits,
+                                     std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                     const std::optional<at::Tensor>& sinks, double dropout_p) {
+    return with_extras(tf::varlen_args(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size, enable_gqa,
+                                       seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p));
   });
   m.def("layer_norm_args", [](const at::Tensor& input, const std::vector<int64_t>& normalized_shape,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
@@ -64,15 +146,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask);
   });
 
-  m.def("attention_forward", &tf::attention_forward);
-  m.def("attention_backward", &tf::attention_backward);
+  def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
   m.def("layer_norm_forward", &tf::layer_norm_forward);
   m.def("layer_norm_backward", &tf::layer_norm_backward);
   m.def("linear_attention_forward", &tf::linear_attention_forward);
   m.def("linear_attention_backward", &tf::linear_attention_backward);
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
-  m.def("attention_forward_cuda", &tf::attention_forward_cuda);
-  m.def("attention_backward_cuda", &tf::attention_backward_cuda);
+  def_attention_kernels(m, "_cuda", &tf::attention_forward_cuda, &tf::attention_backward_cuda);
   m.def("register_cuda_kernels", &tf::register_cuda_kernels);
 #endif
   // The kernel families that also run on CUDA tensors in this build.

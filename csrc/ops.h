@@ -3,6 +3,8 @@
 // argument checks (csrc/<family>_op.cpp).
 #pragma once
 
+#include "attention_extras.h"
+
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -16,10 +18,16 @@ namespace transformer_fast {
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // ---- softmax attention (attention_forward.cpp, attention_backward.cpp) ----
+// The arguments beyond the dense masks (window, softcap, ALiBi, sinks, packed sequences, the
+// decoding split) follow the schemas of csrc/schemas.cpp; AttentionExtras (attention.h) holds them.
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed);
+    bool is_causal, double scale, double dropout_p, int64_t seed, at::IntArrayRef window, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table, int64_t max_q,
+    int64_t max_k, int64_t num_splits);
 
 // dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an undefined tensor (None) unless
 // compute_dmask.
@@ -27,7 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask);
+    bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k);
 
 // ---- LayerNorm / RMSNorm (layer_norm.cpp); absent optional results are undefined tensors (None) ----
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
@@ -49,23 +59,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps);
 
-// ---- the public ops (csrc/<family>_op.cpp): argument checks, then the kernel ops ----
-// Checked and normalised arguments: 4-D, autocast applied, unit last-dim strides, the mask an
-// expanded (B, H, Nq, Nk) view, the scale resolved.
+// ---- the public ops (csrc/<family>_op.cpp, attention_args.cpp): argument checks, then the kernel ops ----
+// Checked and normalised arguments: dense q, k, v 4-D (packed: 3-D, or 4-D key/value pages), autocast
+// applied, unit last-dim strides, the mask an expanded (B, H, Nq, Nk) view, the scale resolved, and
+// the extras as the kernel ops take them (window (-1, -1) when none, ALiBi slopes a (B, H) float32
+// view, sinks (H,) float32).
 struct AttentionArgs {
   at::Tensor q, k, v;
   std::optional<at::Tensor> attn_mask, key_padding_mask;
   double scale = 1.0;
   bool unbatched = false;  // the inputs were (H, N, D)
+  AttentionExtras x;
 };
 AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                              std::optional<double> scale, bool enable_gqa,
-                             const std::optional<at::Tensor>& key_padding_mask);
+                             const std::optional<at::Tensor>& key_padding_mask,
+                             at::OptionalIntArrayRef window_size = std::nullopt,
+                             std::optional<double> softcap = std::nullopt,
+                             const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                             const std::optional<at::Tensor>& sinks = std::nullopt);
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                         bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                        const std::optional<at::Tensor>& key_padding_mask, int64_t seed);
+                                        const std::optional<at::Tensor>& key_padding_mask, int64_t seed,
+                                        at::OptionalIntArrayRef window_size, std::optional<double> softcap,
+                                        const std::optional<at::Tensor>& alibi_slopes,
+                                        const std::optional<at::Tensor>& sinks);
+AttentionArgs varlen_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
+                          int64_t max_k, std::optional<double> scale, at::IntArrayRef window_size, bool enable_gqa,
+                          const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
+                          std::optional<int64_t> num_splits, std::optional<double> softcap,
+                          const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+                          double dropout_p);
+std::tuple<at::Tensor, at::Tensor> varlen_attn(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& cu_seq_q,
+    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool return_lse,
+    std::optional<double> scale, at::IntArrayRef window_size, bool enable_gqa,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
+    std::optional<int64_t> num_splits, std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks, double dropout_p, int64_t seed);
+// The attention_forward op on checked arguments (through the dispatcher: autograd, autocast, device).
+std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
+                                                          int64_t seed);
 
 // x and residual as (rows, width); weight and bias flattened to (width,); rows_empty when the
 // rows have no elements (then only x, residual and the result shape mean anything).

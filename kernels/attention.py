@@ -513,7 +513,16 @@ def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p):
                 HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def _check_dense_only(window, softcap, alibi_slopes, cu_seq_q, sinks=None):
+    if tuple(window) != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None or cu_seq_q is not None:
+        raise NotImplementedError("the Triton attention kernels do not implement windows, softcap, ALiBi, sinks "
+                                  "or packed sequences yet")
+
+
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
+                      block_table=None, max_q=0, max_k=0, num_splits=0):
+    _check_dense_only(window, softcap, alibi_slopes, cu_seq_q, sinks)
     B, H, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = new_output((B, H, Nq, Dv), q.dtype, q.device)
@@ -543,7 +552,9 @@ def _backward_scalar_args(q, k, v, dout, mask_strides, pad_strides, scale, dropo
 
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                       compute_dmask):
+                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
+                       max_q=0, max_k=0):
+    _check_dense_only(window, softcap, alibi_slopes, cu_seq_q)
     B, H, Nq, D = q.shape
     Hk, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if Dv > 1 and dout.stride(3) != 1:

@@ -185,4 +185,4 @@ def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, sc
     formula (the path ``backend=`` takes)."""
     from transformer_fast import _explicit
 
-    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)[0]

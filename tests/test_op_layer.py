@@ -95,7 +95,7 @@ def test_binding_ops_and_named_backend_agree_bit_for_bit(family):
         calls = [lambda q, k, v, m: tf.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: ops.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: _explicit.attention(
-                     "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, 0)]
+                     "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, 0)[0]]
         inputs = (q, k, v, mask)
     elif family == "layer_norm":
         x, r, w = torch.randn(3, 4, 40), torch.randn(3, 4, 40), torch.randn(40)

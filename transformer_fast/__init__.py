@@ -12,7 +12,7 @@ if _C is None:
 
 from . import _composite, _device_kernels  # noqa: E402
 from ._backends import available_backends  # noqa: E402
-from .attention import scaled_dot_product_attention  # noqa: E402
+from .attention import AuxRequest, scaled_dot_product_attention, varlen_attn  # noqa: E402
 from .layer_norm import layer_norm, rms_norm  # noqa: E402
 from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from .modules import (  # noqa: E402
@@ -28,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "available_backends",
     "scaled_dot_product_attention",
+    "varlen_attn",
+    "AuxRequest",
     "layer_norm",
     "rms_norm",
     "LayerNorm",

@@ -12,47 +12,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._plain_torch import dropout_keep_mask
+from ._plain_torch import attention_scores, dropout_keep_mask, sequences, softmax_with_sinks
 
 
 def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
+                      block_table=None, max_q=0, max_k=0, num_splits=0):
     c = _compute_dtype(q)
-    B, H, Nq, _ = q.shape
-    Nk = k.shape[2]
-    group = H // k.shape[1]
-    kc = k.to(c).repeat_interleave(group, dim=1) if group > 1 else k.to(c)
+    if cu_seq_q is not None:  # one dense problem per sequence (the packed rows are concatenated back)
+        outs, lses = [], []
+        for b, _, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                                                     alibi_slopes):
+            ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
+                                       slopes, sinks)
+            outs.append(ob[0].transpose(0, 1))
+            lses.append(lb[0])
+        if not outs:
+            return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=c)
+        return torch.cat(outs), torch.cat(lses, dim=1)
+    group = q.shape[1] // k.shape[1]
     vc = v.to(c).repeat_interleave(group, dim=1) if group > 1 else v.to(c)
-    scores = torch.matmul(q.to(c), kc.transpose(-2, -1)) * scale
-    disallowed = None
-    if is_causal:
-        disallowed = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).triu(1)
-    if key_padding_mask is not None:
-        padded = key_padding_mask[:, None, None, :]
-        disallowed = padded if disallowed is None else disallowed | padded
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            disallowed = ~attn_mask if disallowed is None else disallowed | ~attn_mask
-        else:
-            scores = scores + attn_mask.to(c)
-    if disallowed is not None:
-        scores = scores.masked_fill(disallowed, float("-inf"))
+    scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
+                                 alibi_slopes)
     # softmax with a constant shift (its gradient does not depend on it, so it is detached);
-    # rows with no allowed key have only zero terms and give p = 0, lse = +inf.
-    shift = scores.detach().amax(dim=-1, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    terms = torch.exp(scores - shift)
-    denominator = terms.sum(dim=-1, keepdim=True)
-    empty = denominator == 0
-    probs = terms / torch.where(empty, torch.ones_like(denominator), denominator)
-    lse = torch.where(empty, torch.full_like(denominator, float("inf")), shift + torch.log(denominator))
+    # rows with no allowed key have only zero terms and give p = 0, lse = the sink or +inf.
+    probs, lse = softmax_with_sinks(scores, sinks)
     if dropout_p > 0:
         probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1.0 - dropout_p)
     out = torch.matmul(probs, vc)
-    return out.to(q.dtype), lse.squeeze(-1).detach().float()
+    return out.to(q.dtype), lse.detach().to(c)
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
@@ -115,10 +107,13 @@ def _or_zeros(grad, like):
     return torch.zeros_like(like) if like is not None else torch.empty(0)
 
 
-def attention_backward(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale):
-    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, 0)
-    grads = backward(attention_forward, args, (0, 1, 2, 3), (dout, None))
-    return tuple(_or_zeros(g, a) for g, a in zip(grads[:4], args[:4]))
+def attention_backward(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None):
+    """(dq, dk, dv, dmask, dsinks) as a differentiable graph."""
+    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, 0, window, softcap, alibi_slopes, sinks,
+            cu_seq_q, cu_seq_k)
+    grads = backward(attention_forward, args, (0, 1, 2, 3, 12), (dout, None))
+    return tuple(_or_zeros(grads[i], args[i]) for i in (0, 1, 2, 3, 12))
 
 
 def layer_norm_backward(dy, h, weight, bias, eps, is_rms):

@@ -20,23 +20,33 @@ def _empty(ref):
 
 
 def _attention_forward(kernel):
-    def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
-        B, H, Nq, _ = q.shape
-        if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
-            return q.new_zeros(B, H, Nq, v.shape[-1]), q.new_full((B, H, Nq), _INF, dtype=torch.float32)
-        return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+    def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
+                          softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
+                          block_table=None, max_q=0, max_k=0, num_splits=0):
+        if cu_seq_q is None:
+            B, H, Nq, _ = q.shape
+            if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
+                lse = q.new_full((B, H, Nq), _INF, dtype=_stats_dtype(q)) if sinks is None else \
+                    sinks.to(_stats_dtype(q))[None, :, None].expand(B, H, Nq).contiguous()
+                return q.new_zeros(B, H, Nq, v.shape[-1]), lse
+        elif q.shape[0] == 0:
+            return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=_stats_dtype(q))
+        return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, tuple(window), softcap,
+                      alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits)
     return attention_forward
 
 
 def _attention_backward(kernel):
     def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                           compute_dmask):
-        B, H, Nq, _ = q.shape
-        if Nq == 0 or k.shape[2] == 0:
-            dmask = q.new_zeros(B, H, Nq, k.shape[2]) if compute_dmask else _empty(q)
+                           compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None,
+                           cu_seq_k=None, max_q=0, max_k=0):
+        rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
+        if rows == 0 or keys == 0:
+            dmask = q.new_zeros(*q.shape[:3], k.shape[2]) if compute_dmask else _empty(q)
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
         dq, dk, dv, dmask = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                                   dropout_p, seed, compute_dmask)
+                                   dropout_p, seed, compute_dmask, tuple(window), softcap, alibi_slopes, cu_seq_q,
+                                   cu_seq_k, max_q, max_k)
         return dq, dk, dv, _empty(q) if dmask is None else dmask
     return attention_backward
 

@@ -38,33 +38,58 @@ def _kernel(name, backend, t):
     return op_kernel(name, backend, t.device.type)
 
 
+_NO_EXTRAS = {}
+
+
 class Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
-        with autocast_off():
-            out, lse = _kernel("attention_forward", backend, q)(q, k, v, attn_mask, key_padding_mask, is_causal,
-                                                                 scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask)
-        ctx.args = (backend, is_causal, scale, dropout_p, seed)
-        return out
+    """``backend``'s attention kernels with the formula of csrc/attention_op.cpp. ``extras``: the
+    kernel ops' arguments beyond the dense masks, by name (sinks, which get a gradient, apart)."""
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
-        backend, is_causal, scale, dropout_p, seed = ctx.args
-        mask_grad = ctx.needs_input_grad[4]
+    def forward(ctx, backend, q, k, v, attn_mask, key_padding_mask, sinks, is_causal, scale, dropout_p, seed, extras):
+        if extras.get("seqused_k") is not None or extras.get("block_table") is not None:
+            if any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+                raise NotImplementedError("varlen_attn: seqused_k and block_table are inference-only (no backward); "
+                                          "call it under torch.no_grad() or with inputs that do not require grad")
+        with autocast_off():
+            out, lse = _kernel("attention_forward", backend, q)(q, k, v, attn_mask, key_padding_mask, is_causal,
+                                                                 scale, dropout_p, seed, sinks=sinks, **extras)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, sinks)
+        ctx.args = (backend, is_causal, scale, dropout_p, seed, extras)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse, attn_mask, key_padding_mask, sinks = ctx.saved_tensors
+        backend, is_causal, scale, dropout_p, seed, extras = ctx.args
+        mask_grad, sinks_grad = ctx.needs_input_grad[4], ctx.needs_input_grad[6]
+        packed = {name: extras.get(name) for name in ("cu_seq_q", "cu_seq_k")}
+        shape = {name: extras[name] for name in ("window", "softcap", "alibi_slopes") if name in extras}
+        dsinks = None
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
             if dropout_p > 0:
-                raise NotImplementedError("transformer_fast.scaled_dot_product_attention: second derivatives "
-                                          "(create_graph=True) are not supported with dropout_p > 0")
-            dq, dk, dv, dmask = _composite.attention_backward(dout, q, k, v, attn_mask, key_padding_mask,
-                                                              is_causal, scale)
+                raise NotImplementedError("transformer_fast attention: second derivatives (create_graph=True) are "
+                                          "not supported with dropout_p > 0")
+            dq, dk, dv, dmask, dsinks = _composite.attention_backward(dout, q, k, v, attn_mask, key_padding_mask,
+                                                                      is_causal, scale, sinks=sinks, **shape, **packed)
         else:
             with autocast_off():
                 dq, dk, dv, dmask = _kernel("attention_backward", backend, q)(
                     dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                    mask_grad)
-        return None, dq, dk, dv, dmask if mask_grad else None, None, None, None, None, None
+                    mask_grad, max_q=extras.get("max_q", 0), max_k=extras.get("max_k", 0), **shape, **packed)
+                if sinks_grad:
+                    dsinks = sinks_gradient(dout, out, lse, sinks, packed["cu_seq_q"] is not None)
+        return (None, dq, dk, dv, dmask if mask_grad else None, None, dsinks if sinks_grad else None, None, None,
+                None, None, None)
+
+
+def sinks_gradient(dout, out, lse, sinks, packed):
+    """d loss / d sinks (csrc/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * dO . O."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    if packed:
+        return -(torch.exp(sinks[:, None] - lse) * delta.t()).sum(1)
+    return -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2))
 
 
 class LayerNorm(torch.autograd.Function):
@@ -118,14 +143,17 @@ class LinearAttention(torch.autograd.Function):
         return None, dq, dk, dv, None, None, None
 
 
-def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
-    """Attention on checked arguments (attention_args): ``backend``'s kernels, or the composite
-    form under a torch.func transform or forward AD (backend None)."""
+def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, extras=_NO_EXTRAS):
+    """(out, lse) of attention on checked arguments (attention_args, varlen_args): ``backend``'s
+    kernels, or the composite form under a torch.func transform or forward AD (backend None)."""
+    extras = dict(extras)
+    sinks = extras.pop("sinks", None)
     if backend is None:
         with autocast_off():
             return _composite.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                                seed)[0]
-    return Attention.apply(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+                                                seed, sinks=sinks, **extras)
+    return Attention.apply(backend, q, k, v, attn_mask, key_padding_mask, sinks, is_causal, scale, dropout_p, seed,
+                           extras)
 
 
 def layer_norm(backend, x, residual, weight, bias, eps, is_rms):

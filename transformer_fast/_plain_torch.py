@@ -20,32 +20,104 @@ def dropout_keep_mask(seed, shape, dropout_p, device):
     return torch.rand(shape, generator=generator, device=device) >= dropout_p
 
 
-def _attention_probs(q, k, attn_mask, key_padding_mask, is_causal, scale):
-    """softmax of the masked, scaled scores (B, H, Nq, Nk), 0 on rows with no allowed key,
-    and the log-sum-exp of each row (+inf on those rows)."""
+def attention_scores(q, k, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1), softcap=0.0,
+                     alibi_slopes=None):
+    """The final scores (B, H, Nq, Nk) of dense inputs in q's dtype, -inf where a key is not allowed,
+    and the raw scaled scores the soft-capping was applied to (None without it): the contract in
+    transformer_fast/attention.py, written with differentiable torch ops."""
     B, H, Nq, _ = q.shape
-    k = k.repeat_interleave(H // k.shape[1], dim=1)
-    scores = q @ k.transpose(-2, -1) * scale
+    Nk = k.shape[2]
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+    raw = q @ k.transpose(-2, -1) * scale
+    scores = softcap * torch.tanh(raw / softcap) if softcap else raw
+    i = torch.arange(Nq, device=q.device)[:, None]
+    j = torch.arange(Nk, device=q.device)[None, :]
+    shift = Nk - Nq  # the window and ALiBi are aligned to the bottom right
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.to(scores.dtype)[:, :, None, None] * (i + shift - j).abs().to(scores.dtype)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(scores.dtype)
+    disallowed = torch.zeros(Nq, Nk, dtype=torch.bool, device=q.device)
     if is_causal:
-        scores = scores.masked_fill(torch.ones(Nq, k.shape[2], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
+        disallowed = disallowed | (j > i)
+    if window[0] >= 0:
+        disallowed = disallowed | (j < i + shift - window[0])
+    if window[1] >= 0:
+        disallowed = disallowed | (j > i + shift + window[1])
+    disallowed = disallowed.expand(B, H, Nq, Nk)
     if key_padding_mask is not None:
-        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-    if attn_mask is not None:
-        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
-                  else scores + attn_mask.to(q.dtype))
-    lse = torch.logsumexp(scores, dim=-1)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    return torch.exp(scores - lse[..., None]), lse
+        disallowed = disallowed | key_padding_mask[:, None, None, :]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        disallowed = disallowed | ~attn_mask
+    return scores.masked_fill(disallowed, float("-inf")), (raw if softcap else None)
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def softmax_with_sinks(scores, sinks=None):
+    """(p, lse) of scores (B, H, Nq, Nk) with -inf where disallowed: p = 0 and lse = the sink (or
+    +inf) on rows with no allowed key; sinks (H,) join each row's denominator. Differentiable (the
+    shift that keeps exp in range is detached: the result does not depend on it)."""
+    if scores.shape[-1] == 0:  # no keys at all (amax has nothing to reduce)
+        shift = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        shift = scores.detach().amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        shift = torch.maximum(shift, sinks.detach().to(scores.dtype)[None, :, None, None])
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    terms = torch.exp(scores - shift)
+    denominator = terms.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + torch.exp(sinks.to(scores.dtype)[None, :, None, None] - shift)
+    empty = denominator == 0
+    probs = terms / torch.where(empty, torch.ones_like(denominator), denominator)
+    lse = torch.where(empty, torch.full_like(denominator, float("inf")), shift + torch.log(denominator))
+    return probs, lse.squeeze(-1)
+
+
+def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes):
+    """Packed inputs as dense (1, H, n, D) problems, one per sequence: yields (b, query rows, key
+    rows, q, k, v, alibi slopes (1, H)); the key rows are a slice of the packed keys, or None for
+    a paged cache."""
+    cu_q = cu_seq_q.tolist()
+    cu_k = cu_seq_k.tolist() if cu_seq_k is not None else None
+    used = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(len(cu_q) - 1):
+        rows_q = slice(cu_q[b], cu_q[b + 1])
+        if block_table is not None:
+            rows_k = None
+            kb = k[block_table[b].long()].flatten(0, 1)[:used[b]]
+            vb = v[block_table[b].long()].flatten(0, 1)[:used[b]]
+        else:
+            start = cu_k[b]
+            stop = cu_k[b + 1] if used is None else min(cu_k[b + 1], start + used[b])
+            rows_k = slice(start, stop)
+            kb, vb = k[rows_k], v[rows_k]
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
+        yield (b, rows_q, rows_k, q[rows_q].transpose(0, 1)[None], kb.transpose(0, 1)[None],
+               vb.transpose(0, 1)[None], slopes)
+
+
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
+                      block_table=None, max_q=0, max_k=0, num_splits=0):
     c = _compute_dtype(q)
-    probs, lse = _attention_probs(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale)
+    if cu_seq_q is not None:
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=c, device=q.device)
+        for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                                                          alibi_slopes):
+            ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
+                                       slopes, sinks)
+            out[rows_q] = ob[0].transpose(0, 1)
+            lse[:, rows_q] = lb[0]
+        return out, lse
+    scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
+                                 alibi_slopes)
+    probs, lse = softmax_with_sinks(scores, sinks)
     if dropout_p > 0:
         probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
     v = v.to(c).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return (probs @ v).to(q.dtype), lse.float()
+    return (probs @ v).to(q.dtype), lse.to(c)
 
 
 def _sum_groups(t, heads):
@@ -55,11 +127,27 @@ def _sum_groups(t, heads):
 
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                       compute_dmask):
+                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
+                       max_q=0, max_k=0):
+    if cu_seq_q is not None:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,
+                                                               alibi_slopes):
+            dob = dout[rows_q].transpose(0, 1)[None]
+            lb = lse[:, rows_q][None]
+            g = attention_backward(dob, qb, kb, vb, None, lb, None, None, False, scale, dropout_p, seed + b, False,
+                                   window, softcap, slopes)
+            dq[rows_q] = g[0][0].transpose(0, 1)
+            dk[rows_k] = g[1][0].transpose(0, 1)
+            dv[rows_k] = g[2][0].transpose(0, 1)
+        return dq, dk, dv, None
     c = _compute_dtype(q)
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
-    probs, _ = _attention_probs(qc, kc, attn_mask, key_padding_mask, is_causal, scale)
+    scores, raw = attention_scores(qc, kc, attn_mask, key_padding_mask, is_causal, scale, window, softcap,
+                                   alibi_slopes)
+    # P from the forward's lse (sinks included), 0 where disallowed or on rows with no allowed key
+    probs = torch.exp(scores - lse.to(c)[..., None])
     keep = 1.0
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
@@ -67,9 +155,11 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dv = _sum_groups((probs * keep).transpose(-2, -1) @ doutc, Hk)
     dprobs = (doutc @ v_full.transpose(-2, -1)) * keep
     dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    dmask = dscores.to(q.dtype) if compute_dmask else None
+    if raw is not None:  # through softcap * tanh(raw / softcap)
+        dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
     dq = dscores @ k_full * scale
     dk = _sum_groups(dscores.transpose(-2, -1) @ qc * scale, Hk)
-    dmask = dscores.to(q.dtype) if compute_dmask else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 

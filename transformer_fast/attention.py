@@ -1,26 +1,59 @@
-"""Softmax attention: the public ``scaled_dot_product_attention`` and the fake kernels of its ops.
+"""Softmax attention: the public ``scaled_dot_product_attention`` and ``varlen_attn``, and the fake
+kernels of their ops.
 
-The kernels (``kernels/attention.py`` for Triton; ``csrc/attention_forward.cpp`` and
-``attention_backward.cpp`` for C++) share one signature:
+The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`` and
+``attention_backward.cpp`` for C++; ``_plain_torch.py``) share one contract:
 
-    attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)
+    attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                      window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None,
+                      cu_seq_k=None, seqused_k=None, block_table=None, max_q=0, max_k=0, num_splits=0)
         -> (out, lse)
     attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                       dropout_p, seed, compute_dmask) -> (dq, dk, dv, dmask)
+                       dropout_p, seed, compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0) -> (dq, dk, dv, dmask)
 
-q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv) with any strides but a unit last-dim
-stride, Hk dividing H; attn_mask None or a (B, H, Nq, Nk) view (stride 0 on broadcast dims),
-bool (True = allowed) or float (added); key_padding_mask None or (B, Nk) bool (True = padded).
-out is (B, H, Nq, Dv) contiguous in q's dtype; lse (B, H, Nq) float32 is each row's log-sum-exp
-of the scaled, masked scores, +inf for rows with no allowed key (so exp(s - lse) is 0 there).
-dmask is None unless compute_dmask; then it is dS (B, H, Nq, Nk) contiguous in q's dtype, the
-gradient of the scaled, masked scores (so of an additive float mask), with the forward's dropout:
-0 for disallowed pairs, padded keys and rows with no allowed key.
+Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
+(B, H, Nq, Dv) contiguous in q's dtype; lse (B, H, Nq) float32 (float64 for float64 inputs, as the
+ALiBi slopes and sinks then are; only the plain-torch backend takes float64). Packed (cu_seq_q given): q
+(Tq, H, D), k (Tk, Hk, D), v (Tk, Hk, Dv); cu_seq_q and cu_seq_k (B + 1,) int32, nondecreasing from
+0: sequence b is query rows cu_seq_q[b]:cu_seq_q[b + 1] and key rows cu_seq_k[b]:cu_seq_k[b + 1];
+seqused_k (B,) int32 keeps the first seqused_k[b] keys of each; with block_table (B, pages) int32,
+k and v are (num_pages, page_size, Hk, D) pools, key j of sequence b is row j % page_size of page
+block_table[b, j // page_size], cu_seq_k is None and seqused_k gives the lengths. max_q and max_k
+are at least the longest query and key sequence (the GPU kernels size their grid by them). out is
+(Tq, H, Dv) contiguous, lse (H, Tq) float32. attn_mask and key_padding_mask are None and is_causal
+False in packed mode. Any strides with a unit last-dim stride; Hk divides H (GQA).
+
+Per sequence with Nq queries and Nk keys (dense: every batch entry), query i attends key j iff
+  j < Nk; the key is not padded (key_padding_mask (B, Nk) bool, True = padded); a bool attn_mask
+  ((B, H, Nq, Nk) view, stride 0 on broadcast dims) is True there, a float one not -inf;
+  is_causal (dense only): j <= i (top-left aligned, as torch);
+  window (left, right), -1 = unbounded, aligned to the bottom right (FlashAttention-2):
+  i + Nk - Nq - left <= j <= i + Nk - Nq + right (so (-1, 0) is bottom-right causal).
+The score of an allowed pair is s = scale * q_i . k_j, then s = softcap * tanh(s / softcap) where
+softcap > 0, then s -= slope[b, h] * |i + Nk - Nq - j| with ALiBi (alibi_slopes a (B, H) float32
+view), then s += attn_mask where it is float. out_i = sum_j p_ij v_j with p_ij = exp(s_ij - lse_i)
+and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])), the sink term only with sinks ((H,) float32:
+one logit per head that joins every row's softmax with no value). A row with no allowed key gives
+out 0 and lse = sinks[h], or +inf without sinks (so exp(s - lse) is 0 there).
+
+Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p), as a function of
+(seed, the row's lse index, j) that the backward regenerates. num_splits: 0 lets the kernel split a
+row's keys over several programs or threads (decoding: few queries, many keys) and merge the parts
+by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
+
+dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) contiguous in q's
+dtype, the gradient of the final scores (so of an additive float mask), with the forward's
+dropout: 0 for disallowed pairs, padded keys and rows with no allowed key. The backward needs no
+sinks (lse includes them); the sinks' gradient, -sum_i exp(sinks[h] - lse_i) * (dO_i . O_i), is
+formed by the autograd formula (csrc/attention_op.cpp). seqused_k and block_table are
+inference-only, as in torch's varlen_attn.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -35,16 +68,22 @@ _C, _ = _build.load()
 # Fake implementations (shapes only: torch.compile, FakeTensorMode, the meta device)
 # --------------------------------------------------------------------------------------------
 @torch.library.register_fake("transformer_fast::attention_forward")
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed):
+def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1), softcap=0.0,
+      alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None, block_table=None, max_q=0,
+      max_k=0, num_splits=0):
+    stats = torch.promote_types(q.dtype, torch.float32)
+    if cu_seq_q is not None:
+        Tq, H, _ = q.shape
+        return q.new_empty(Tq, H, v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
     B, H, Nq, _ = q.shape
-    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=torch.float32)
+    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
 
 
 @torch.library.register_fake("transformer_fast::attention_backward")
-def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask):
+def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
+      window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
     # The kernels return contiguous gradients (whatever the inputs' strides).
-    B, H, Nq, _ = q.shape
-    dmask = q.new_empty(B, H, Nq, k.shape[2]) if compute_dmask else q.new_empty(0)
+    dmask = q.new_empty(*q.shape[:3], k.shape[2]) if compute_dmask else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
@@ -59,25 +98,41 @@ def _dropout_seed(dropout_p):
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
 
 
-def _check_scale(scale):
-    """Any real scalar (a Python or NumPy number, a one-element tensor), as torch takes it."""
-    if scale is None:
+def _real(name, value):
+    """Any real scalar (a Python or NumPy number, a one-element tensor) as a float, or None."""
+    if value is None:
         return None
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or scale.is_complex():
-            raise TypeError(f"scale must be a real scalar or None, got a tensor of shape {tuple(scale.shape)} "
-                            f"and dtype {scale.dtype}")
-        scale = scale.item()
-    elif not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real scalar or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(f"{name} must be a real scalar or None, got a tensor of shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}")
+        value = value.item()
+    elif not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real scalar or None, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_scale(scale):
+    return _real("scale", scale)
+
+
+def _window(window_size, allow_none=True):
+    """(left, right) as a tuple of two ints (-1 = unbounded), or None."""
+    if window_size is None and allow_none:
+        return None
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for an unbounded side, got "
+                        f"{window_size!r}")
+    return int(window_size[0]), int(window_size[1])
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, key_padding_mask=None, backend="auto"):
+                                 scale=None, enable_gqa=False, *, key_padding_mask=None, window_size=None,
+                                 softcap=None, alibi_slopes=None, sinks=None, backend="auto"):
     """Fused softmax attention, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     ``softmax(query @ key^T * scale + bias) @ value`` for (B, H, N, D) tensors (or (H, N, D),
@@ -86,31 +141,104 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       * ``attn_mask``: bool (True = may attend) or float (added to the scores), any shape that
         broadcasts to (B, H, Nq, Nk); read in place, never expanded in memory;
       * ``key_padding_mask``: (B, Nk) bool, True = padded key (``nn.MultiheadAttention``'s
-        convention), read per tile.
+        convention), read per tile;
+      * ``window_size=(left, right)``: query i attends keys i + Nk - Nq - left .. i + Nk - Nq +
+        right (-1: unbounded; aligned to the bottom right when Nq != Nk, as FlashAttention-2):
+        key tiles outside the window are never visited, so cost and memory are O(N * window);
+      * ``softcap``: the scaled scores become ``softcap * tanh(scores / softcap)`` first (Gemma 2);
+      * ``alibi_slopes``: (H,) or (B, H); adds ``-slope * |i + Nk - Nq - j|`` (BLOOM, MPT);
+      * ``sinks``: (H,) learned logits, one per head, that join each row's softmax denominator
+        without a value (gpt-oss's ``s_aux``); they get their gradient.
     Query rows with no allowed key give 0 (and 0 gradient). Under ``torch.autocast`` the floating
     inputs are cast to the autocast dtype first, as torch's SDPA is. ``enable_gqa=True`` lets key/value
     have fewer heads than query (a divisor). ``backend``: "auto", "triton", "cpp" or "reference".
     A float ``attn_mask`` that requires grad gets its gradient (as in PyTorch, dropout included):
     the backward kernels write the score gradient, (B, H, Nq, Nk) in the mask's dtype, which
-    autograd sums over the mask's broadcast dims.
+    autograd sums over the mask's broadcast dims. With few queries against many keys (decoding
+    from a cache) the kernels split the keys over threads or GPU programs (Flash-Decoding).
     """
     if scale is not None and type(scale) is not float:
         scale = _check_scale(scale)
+    if window_size is not None:
+        window_size = _window(window_size)
+    if softcap is not None and type(softcap) is not float:
+        softcap = _real("softcap", softcap)
     seed = _dropout_seed(dropout_p) if dropout_p else 0
     if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
             and type(attn_mask) in TENSOR_OR_NONE and type(key_padding_mask) in TENSOR_OR_NONE
+            and type(alibi_slopes) in TENSOR_OR_NONE and type(sinks) in TENSOR_OR_NONE
             and query.dtype in KERNEL_DTYPES and direct()):
         return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale,
-                                               bool(enable_gqa), key_padding_mask, seed)
+                                               bool(enable_gqa), key_padding_mask, seed, window_size, softcap,
+                                               alibi_slopes, sinks)
     check_tensors(query=query, key=key, value=value)
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         return torch.ops.transformer_fast.scaled_dot_product_attention(
             query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
-            key_padding_mask=key_padding_mask, seed=seed)
-    q, k, v, attn_mask, key_padding_mask, scale, unbatched = _C.attention_args(
-        query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), key_padding_mask)
+            key_padding_mask=key_padding_mask, seed=seed, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks)
+    q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras = _C.attention_args(
+        query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), key_padding_mask,
+        window_size, softcap, alibi_slopes, sinks)
     out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, bool(is_causal), scale,
-                              float(dropout_p), seed)
+                              float(dropout_p), seed, extras)[0]
     return out[0] if unbatched else out
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs ``varlen_attn`` returns (torch's ``AuxRequest`` works too)."""
+    lse: bool = False
+
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+                softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, backend="auto"):
+    """Attention over packed variable-length sequences, with the arguments and meaning of
+    ``torch.nn.attention.varlen.varlen_attn`` (which runs on CUDA only), on CPU and CUDA.
+
+    ``query`` (Tq, H, D), ``key``/``value`` (Tk, Hk, D): the sequences' tokens one after another;
+    ``cu_seq_q``/``cu_seq_k`` (B + 1,) int32 cumulative lengths (sequence b is rows
+    ``cu_seq_q[b]:cu_seq_q[b + 1]``); ``max_q``/``max_k`` at least the longest lengths.
+    ``window_size=(left, right)``: (-1, -1) full, (-1, 0) causal, (W, 0) causal with a window of W
+    earlier keys, aligned to the bottom right when a sequence has fewer queries than keys.
+    ``seqused_k`` (B,) int32: only the first ``seqused_k[b]`` keys of each sequence are used (a
+    KV-cache slot longer than what is filled). ``block_table`` (B, pages) int32 with ``key``/``value``
+    (num_pages, page_size, Hk, D): a paged cache, pages in any order (needs ``seqused_k``;
+    ``cu_seq_k`` may then be None). Both are inference-only, as in torch. ``num_splits``: how many
+    parts a sequence's keys may be split into for decoding (None: chosen automatically; 1: never).
+    ``softcap``, ``alibi_slopes`` ((H,) or (B, H)), ``sinks`` ((H,)) and ``dropout_p`` as in
+    ``scaled_dot_product_attention``. Returns (Tq, H, Dv), and with ``return_aux.lse`` also the
+    log-sum-exp, (H, Tq) float32 (the layout torch's kernel returns).
+    """
+    if scale is not None and type(scale) is not float:
+        scale = _check_scale(scale)
+    window_size = _window(window_size, allow_none=False)
+    if softcap is not None and type(softcap) is not float:
+        softcap = _real("softcap", softcap)
+    for name, n in (("max_q", max_q), ("max_k", max_k)):
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
+    seed = _dropout_seed(dropout_p) if dropout_p else 0
+    check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
+    transformed = _explicit.differentiable_forms_needed()
+    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
+    if explicit is None and not transformed:
+        args = (query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale, list(window_size),
+                bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
+                seed)
+        if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
+                and direct()):
+            out, lse = _C.varlen_attn(*args)
+        else:
+            out, lse = torch.ops.transformer_fast.varlen_attn(*args)
+    else:
+        q, k, v, _, _, scale, _, extras = _C.varlen_args(
+            query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, list(window_size),
+            bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
+        out, lse = _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p), seed, extras)
+    return (out, lse) if return_lse else out
