@@ -8,13 +8,17 @@ state, of the initial state, for upstream gradients of the output and of the fin
 
   no state        linear_attention(q, k, v, is_causal=True)
   state in, out   the same call with an initial state and output_final_state=True
-  two calls       the prefill cut in half, the second call starting from the state the first left
+  two calls       the prefill cut in half (q, k, v given as halves, as a chunked prefill has
+                  them), the second call starting from the state the first left
 
 Every variant is checked first against the float64 oracle (its output on 12 query rows and its
 final state; at most 2x the error of the same O(N^2) formula in float32, plus a floor). Timing:
 `measure.time_interleaved` (round-robin, so a slow phase of a shared machine hits every variant);
-each ratio is the median over rounds of the two times of that round. Target: each variant with a
-state at most 1.02x the time without one (the 2% allow for timing noise).
+each ratio is the median over rounds of the two times of that round. One thread unless --threads
+says otherwise: the kernels split the heads over the threads alike with or without a state, and
+on a shared machine the second call's parallel region would time how long a descheduled thread
+keeps the other waiting, not the state. Target: each variant with a state at most 1.02x the time
+without one (the 2% allow for timing noise).
 """
 from __future__ import annotations
 
@@ -38,20 +42,31 @@ def _inputs(B, H, N, D, seed):
     return q, k, v, S0, z0
 
 
+def _halves(t):
+    half = t.shape[2] // 2
+    return t[:, :, :half].contiguous(), t[:, :, half:].contiguous()
+
+
 def _call(variant, q, k, v, S0, z0):
-    """(out, final S, final z); the final state is None without a state."""
+    """The outputs: [out] without a state, [out, final S, final z] with one. "two calls" takes q, k,
+    v as (first half, second half) pairs, as a chunked prefill has them, and returns [the first
+    half's out, the second's, final S, final z]."""
     if variant == "no state":
-        return tf.linear_attention(q, k, v, is_causal=True, backend="cpp"), None, None
+        return [tf.linear_attention(q, k, v, is_causal=True, backend="cpp")]
     if variant == "state in, out":
         out, state = tf.linear_attention(q, k, v, is_causal=True, initial_state=(S0, z0), output_final_state=True,
                                          backend="cpp")
-        return out, state.S, state.z
-    half = q.shape[2] // 2
-    first, state = tf.linear_attention(q[:, :, :half], k[:, :, :half], v[:, :, :half], is_causal=True,
-                                       initial_state=(S0, z0), output_final_state=True, backend="cpp")
-    second, state = tf.linear_attention(q[:, :, half:], k[:, :, half:], v[:, :, half:], is_causal=True,
-                                        initial_state=state, output_final_state=True, backend="cpp")
-    return torch.cat([first, second], dim=2), state.S, state.z
+        return [out, *state]
+    (q1, q2), (k1, k2), (v1, v2) = q, k, v
+    first, state = tf.linear_attention(q1, k1, v1, is_causal=True, initial_state=(S0, z0), output_final_state=True,
+                                       backend="cpp")
+    second, state = tf.linear_attention(q2, k2, v2, is_causal=True, initial_state=state, output_final_state=True,
+                                        backend="cpp")
+    return [first, second, *state]
+
+
+def _args(variant, q, k, v):
+    return (q, k, v) if variant != "two calls" else tuple(_halves(t) for t in (q, k, v))
 
 
 def _oracle(q, k, v, state, dtype, rows):
@@ -70,14 +85,15 @@ def _oracle(q, k, v, state, dtype, rows):
 
 def check(variant, q, k, v, S0, z0, rows):
     """(ok, max error, bound): the output rows and the final state against float64."""
-    state = None if variant == "no state" else (S0, z0)
     with torch.no_grad():
-        out, S, z = _call(variant, q, k, v, S0, z0)
+        outs = _call(variant, *_args(variant, q, k, v), S0, z0)
+    if variant == "two calls":
+        outs = [torch.cat(outs[:2], dim=2), *outs[2:]]
+    state = None if variant == "no state" else (S0, z0)
     exact = _oracle(q, k, v, state, torch.float64, rows)
     plain = _oracle(q, k, v, state, torch.float32, rows)
-    got = (out[:, :, rows], S, z) if S is not None else (out[:, :, rows],)
     worst = (0.0, 0.0, 1.0)
-    for mine, ref, fp32 in zip(got, exact, plain):
+    for mine, ref, fp32 in zip([outs[0][:, :, rows], *outs[1:]], exact, plain):
         err = (mine.double() - ref).abs().max().item()
         bound = 2 * (fp32.double() - ref).abs().max().item() + cases.CHECK_RTOL[torch.float32] * max(
             1.0, ref.abs().max().item())
@@ -88,27 +104,45 @@ def check(variant, q, k, v, S0, z0, rows):
 
 
 def _timed(variant, q, k, v, S0, z0, backward, upstream):
+    """A callable of one forward (without grad) or forward+backward (gradients of q, k, v and, with
+    a state, of the initial state; upstream gradients of the output and the final state)."""
+    args = _args(variant, q, k, v)
     if not backward:
         def forward():
             with torch.no_grad():
-                _call(variant, q, k, v, S0, z0)
+                _call(variant, *args, S0, z0)
         return forward
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if variant != "no state":
-        leaves += [t.detach().clone().requires_grad_() for t in (S0, z0)]
+    leaves = [tuple(t.detach().clone().requires_grad_() for t in a) if isinstance(a, tuple)
+              else a.detach().clone().requires_grad_() for a in args]
+    leaves += [t.detach().clone().requires_grad_() for t in (S0, z0)]
+    flat = [t for a in leaves for t in (a if isinstance(a, tuple) else (a,))]
+    if variant == "no state":
+        flat, grads = flat[:3], upstream[:1]
+    elif variant == "two calls":
+        grads = [*_halves(upstream[0]), *upstream[1:]]
+    else:
+        grads = upstream
 
     def forward_backward():
-        outs = [o for o in _call(variant, *leaves[:3], *(leaves[3:] or (S0, z0))) if o is not None]
-        torch.autograd.grad(outs, leaves, upstream[:len(outs)])
+        torch.autograd.grad(_call(variant, *leaves), flat, grads)
     return forward_backward
 
 
 def run(args):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or 1)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args):
     B, H, N, D = (1, 2, 64, 16) if args.smoke else (1, 8, 4096, 64)
     q, k, v, S0, z0 = _inputs(B, H, N, D, args.seed)
     rows = cases.check_rows(N)
-    result = {"shape": f"B={B} H={H} N={N} D={D} causal float32", "target_ratio": TARGET_RATIO, "checks": {},
-              "passes": {}}
+    result = {"shape": f"B={B} H={H} N={N} D={D} causal float32", "threads": torch.get_num_threads(),
+              "target_ratio": TARGET_RATIO, "checks": {}, "passes": {}}
     for variant in VARIANTS:
         ok, err, bound = check(variant, q, k, v, S0, z0, rows)
         result["checks"][variant] = {"ok": ok, "max_error": err, "error_bound": bound}
@@ -140,8 +174,9 @@ def markdown(result):
 
     lines = header_block(result)
     body = result["result"]
-    lines += [f"Causal linear attention prefill (C++ kernels), {body['shape']}: with a carried state against "
-              f"without one. Target: at most {body['target_ratio']:g}x the time without a state. Ratios are medians "
+    threads = "one thread" if body["threads"] == 1 else f"{body['threads']} threads"
+    lines += [f"Causal linear attention prefill (C++ kernels), {body['shape']}, {threads}: with a "
+              f"carried state against without one. Target: at most {body['target_ratio']:g}x the time without a state. Ratios are medians "
               f"over interleaved rounds of the paired times (time with a state / time without).", ""]
     lines += ["| variant | check error / bound |", "|---|---:|"]
     lines += [f"| {v} | {c['max_error']:.1e} / {c['error_bound']:.1e}{'' if c['ok'] else ' WRONG'} |"

@@ -99,8 +99,9 @@ def _linear_state_rows(entry, prefix):
         return []
     figures = "; ".join(f"{p}: state in and out {row['state in, out']['ratio_to_no_state']:.2f}x, cut in two calls "
                         f"{row['two calls']['ratio_to_no_state']:.2f}x" for p, row in d["passes"].items())
-    return [[f"causal linear attention prefill with a carried state, {d['shape']}: time with the state / time "
-             f"without (target: at most {d['target_ratio']:g}x)", figures, _day(entry["created"]),
+    threads = "one thread" if d["threads"] == 1 else f"{d['threads']} threads"
+    return [[f"causal linear attention prefill with a carried state, {d['shape']}, {threads}: time with the state / "
+             f"time without (target: at most {d['target_ratio']:g}x)", figures, _day(entry["created"]),
              _link(entry["file"], prefix)]]
 
 
