@@ -431,3 +431,17 @@ def test_autocast_keeps_the_state_float32():
                                                    initial_state=(S0, z0), output_final_state=True)
     assert torch.equal(out, expected) and torch.equal(state.S, expected_state.S)
     torch.testing.assert_close(step, expected[:, :, 0], atol=1e-2, rtol=1e-2)
+
+
+def test_the_forward_op_casts_under_autocast_but_not_the_state():
+    """Called through the dispatcher (as compiled graphs call it), the kernel op's autocast kernel
+    casts q, k, v and leaves the float32 state alone."""
+    q, k, v = make_qkv(1, 2, 7, 7, 8, 8)
+    S0, z0 = earlier_state(1, 2, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, S, z = torch.ops.transformer_fast.linear_attention_forward(q, k, v, None, True, 1e-6, S0, z0, True)
+    assert out.dtype == torch.bfloat16 and S.dtype == z.dtype == torch.float32
+    expected = torch.ops.transformer_fast.linear_attention_forward(*(t.bfloat16() for t in (q, k, v)), None, True,
+                                                                   1e-6, S0, z0, True)
+    for got, want in zip((out, S, z), expected):
+        assert torch.equal(got, want)
