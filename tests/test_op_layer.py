@@ -53,6 +53,7 @@ def _op_cases():
         "layer_norm": (ops.layer_norm, (x.view(2, 3, 16), [16], w, b, 1e-5, r.view(2, 3, 16), False)),
         "linear_attention_forward": (ops.linear_attention_forward, (lq, lk, lv, pad, True, 1e-6, None, None, False)),
         "linear_attention_forward state": (ops.linear_attention_forward, (lq, lk, lv, pad, True, 1e-6, lS, lz, True)),
+        "linear_attention state": (ops.linear_attention, (lq, lk, lv, False, pad, 1e-6, lS, lz, True)),
         "linear_attention_backward": (ops.linear_attention_backward,
                                       (torch.randn(2, 3, 5, 8), lq.detach(), lk.detach(), lv.detach(), pad, False,
                                        1e-6, None, None, None, None)),
@@ -63,7 +64,6 @@ def _op_cases():
                                                 (torch.randn(2, 3, 5, 8), lq.detach(), lk.detach(), lv.detach(), None,
                                                  True, 1e-6, lS.detach(), lz.detach(), dS, None)),
         "linear_attention": (ops.linear_attention, (lq, lk, lv, False, pad, 1e-6)),
-        "linear_attention state": (ops.linear_attention, (lq, lk, lv, False, pad, 1e-6, lS, lz, True)),
     }
 
 
