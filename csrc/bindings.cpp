@@ -144,9 +144,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(a.x, a.residual, a.weight, a.bias, a.eps, a.rows_empty);
   });
   m.def("linear_attention_args", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
-                                    const std::optional<at::Tensor>& key_padding_mask, double eps) {
-    const auto a = tf::linear_attention_args(q, k, v, is_causal, key_padding_mask, eps);
-    return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask);
+                                    const std::optional<at::Tensor>& key_padding_mask, double eps,
+                                    const std::optional<at::Tensor>& initial_S,
+                                    const std::optional<at::Tensor>& initial_z) {
+    const auto a = tf::linear_attention_args(q, k, v, is_causal, key_padding_mask, eps, initial_S, initial_z);
+    return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask, a.initial_S, a.initial_z);
   });
 
   def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
