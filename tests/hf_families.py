@@ -6,7 +6,8 @@ For each family (a ``model_type`` with a base model class in transformers' ``MOD
     class and points to "sdpa"/"eager";
   * "matches sdpa" / "matches eager": the same weights give the same outputs and parameter
     gradients on ``transformer_fast`` as on ``sdpa`` (``eager`` where transformers refuses sdpa),
-    fp32, on a right-padded batch (outputs compared at the unpadded positions);
+    fp32, on a right-padded batch (outputs compared at the unpadded positions); compared with
+    eager, also on the same tokens without padding (the masks transformers would leave out);
   * "not run" / "not built" (with the reason): served but not compared (no token-id inputs, or the
     shrunk model does not run), or no small model could be made: not a verdict on the integration;
   * "MISMATCH" / "ERROR": served but wrong, or served but failing: a defect.
@@ -347,6 +348,16 @@ def check_family(family: str, train: bool = False) -> Result:
     difference = _mismatch(our_run, ref_run, exact_run)
     if difference:
         return Result(family, name, "MISMATCH", f"vs {implementation}: {difference}")
+    if implementation == "eager":  # served through flex-attention support: also the masks left out without padding
+        unpadded = dict(inputs, attention_mask=torch.ones_like(inputs["attention_mask"]))
+        try:
+            our_run, ref_run = _run(ours, unpadded), _run(ref, unpadded)
+            exact_run = _run(exact, unpadded) if exact_run is not None else None
+        except Exception as exc:  # noqa: BLE001
+            return Result(family, name, "ERROR", f"forward without padding: {type(exc).__name__}: {_first_line(exc)}")
+        difference = _mismatch(our_run, ref_run, exact_run)
+        if difference:
+            return Result(family, name, "MISMATCH", f"vs {implementation} without padding: {difference}")
     return Result(family, name, f"matches {implementation}", ", ".join(n for n, _ in ref_run[0]))
 
 
@@ -368,13 +379,18 @@ def table(results) -> str:
         "* **matches sdpa** / **matches eager**: served; `transformer_fast` gives the outputs (at the unpadded "
         "positions) and the parameter gradients of the same weights on transformers' `sdpa` (`eager` where "
         f"the model refuses sdpa) within atol={TOL['atol']}, rtol={TOL['rtol']}, or at most 2x as far as "
-        "`sdpa` in fp32 from the same model in float64 (sums of many terms, as in embedding gradients).",
+        "`sdpa` in fp32 from the same model in float64 (sums of many terms, as in embedding gradients); "
+        "compared with `eager`, also on the same tokens without padding.",
         "* **refused**: building the model with `transformer_fast` raises a ValueError naming the model class "
         "(or the sub-model that cannot be served) and the implementation to use instead. Served are exactly "
-        "the models that support `sdpa` through transformers' `AttentionInterface` "
+        "the models that support `sdpa` or `flex_attention` through transformers' `AttentionInterface` "
         "(`transformer_fast.integrations.huggingface.supports_model`): the others would run their own "
         "attention code on masks built for `transformer_fast` and misread them (BLOOM, XGLM lost the causal "
-        "mask; ConvBERT, MPNet ignored padding), or rely on masks or options sdpa lacks (PEGASUS-X, Gemma 2).",
+        "mask; ConvBERT, MPNet ignored padding), or rely on masks or options neither has; models that fold "
+        "their indexer's selection into the mask only for `eager` and `sdpa` (DeepSeek V3.2) are refused too. "
+        "A served model that passes the attention function an option it does not implement (sparse "
+        "`indices`, per-token `sinks`) gets a ValueError at its first forward (**refused** with \"at the "
+        "first forward\").",
         "* **not run**: served, but no comparison could be made here (the model takes no token ids, needs "
         "other inputs, or its shrunk config does not run); **not built**: no small model could be made.",
         "",
@@ -402,7 +418,12 @@ def _refusal(exc):
     if match is None:
         return _first_line(exc)
     cls, why, instead = match.groups()
-    why = "no sdpa support" if "does not support 'sdpa'" in why else why.split(" (")[0]
+    if "neither 'sdpa' nor 'flex_attention'" in why:
+        why = "no sdpa or flex_attention support"
+    elif "only for 'eager' and 'sdpa'" in why:
+        why = "indexer masks only for eager and sdpa"
+    else:
+        why = why.split(" (")[0]
     return f"{cls}: {why}; use {instead}"
 
 
