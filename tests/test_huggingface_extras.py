@@ -367,6 +367,28 @@ def test_build_attention_mask_equals_sdpa_mask(case):
         assert got.shape == (3, 1, q_length, kv_length) and got.stride()[2] == 0
 
 
+def test_a_static_cache_prefill_keeps_its_mask():
+    """sdpa_mask leaves out the causal mask of a static cache's prefill (4 queries, 9 cache slots,
+    top-left causal); build_attention_mask keeps it, so that a missing mask with fewer queries than
+    keys always means bottom-right causal."""
+    args = dict(batch_size=2, q_length=4, kv_length=9, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    assert masking_utils.sdpa_mask(**args) is None
+    got = tf_hf.build_attention_mask(config=llama_config(), **args)
+    assert torch.equal(got, masking_utils.sdpa_mask(allow_is_causal_skip=False, **args))
+
+
+def test_a_missing_causal_mask_with_fewer_queries_is_bottom_right(kernel_calls):
+    """A model that keeps only its last queries (Gemma 4's KV-shared layers) with no mask."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    out, _ = tf_hf.attention_forward(module, q, k, k, None)
+    bottom_right = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=bottom_right)
+    torch.testing.assert_close(out, expected.transpose(1, 2), **TOL)
+    assert kernel_calls[0]["window_size"] == (-1, 0) and not kernel_calls[0]["is_causal"]
+
+
 def test_flex_only_families_get_no_mask_left_out():
     """PEGASUS-X (served through its flex-attention support) declares is_causal=False on its
     decoder's self-attention: its causal masks are never left out."""
