@@ -295,12 +295,22 @@ def test_restarting_positions_without_a_packed_mask_warn(kernel_calls):
     torch.testing.assert_close(out, ref(**inputs).logits, **TOL)
 
 
-def test_packed_with_a_sliding_window(kernel_calls):
-    """Mistral (a window of 4 keys) on packed sequences: varlen_attn with window (3, 0) in each."""
+@pytest.mark.parametrize("route", ["position_ids", "cu_seq_lens with a cache"])
+def test_packed_with_a_sliding_window(route, kernel_calls):
+    """Mistral (a window of 4 keys) on packed sequences: varlen_attn with window (3, 0) in each. With
+    a cache, transformers' mask is the window over the whole row: the cu_seq_lens_* keyword
+    arguments separate the sequences (as its flash-attention path does), as running them alone."""
     ref, ours = pair(transformers.MistralForCausalLM, mistral_config())
-    _, batch = flattened(False)
-    inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    assert_logits_and_grads(ref, ours, inputs)
+    features, batch = flattened(route != "position_ids")
+    if route == "position_ids":
+        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        assert_logits_and_grads(ref, ours, inputs)
+    else:
+        loss_o, grads_o = packed_loss_and_grads(ours, batch, use_cache=True)
+        loss_s, grads_s = separate_loss_and_grads(ref, features)
+        torch.testing.assert_close(loss_o, loss_s, **TOL)
+        for (name, _), a, c in zip(ref.named_parameters(), grads_o, grads_s):
+            torch.testing.assert_close(a, c, **TOL, msg=lambda m: f"grad of {name} vs separate: {m}")
     varlen = [c for c in kernel_calls if c["fn"] == "varlen_attn"]
     assert len(varlen) == 2 and all(c["window_size"] == (3, 0) for c in varlen)
 
@@ -322,7 +332,7 @@ def test_cu_seq_lens_that_contradict_the_mask_raise():
     _, batch = flattened(True)
     batch = {k: v for k, v in batch.items() if k != "labels"}
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 8, 20], dtype=torch.int32)
-    with pytest.raises(ValueError, match="not their block-diagonal mask"):
+    with pytest.raises(ValueError, match="neither their block-diagonal mask nor plain causal"):
         ours(**batch, use_cache=False)
 
 

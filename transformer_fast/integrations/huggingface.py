@@ -12,9 +12,13 @@ Supported: everything the ``sdpa`` implementation does with plain masks (padding
 bidirectional, grouped-query attention, a float ``position_bias`` as in T5), dropout in training;
 sliding windows (Mistral, Qwen2, Gemma 2/3, Cohere 2, gpt-oss), logit soft-capping (``softcap``:
 Gemma 2, T5Gemma), attention sinks (``s_aux``, one logit per head: gpt-oss), and packed
-("padding-free") sequences: ``position_ids`` that restart inside a row (what transformers'
-``DataCollatorWithFlattening`` produces) or ``cu_seq_lens_q``/``cu_seq_lens_k`` with
-``max_length_q``/``max_length_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``).
+("padding-free") sequences, as transformers' ``DataCollatorWithFlattening`` produces them:
+``position_ids`` that restart inside a row, which transformers turns into a block-diagonal mask
+only without a cache (``use_cache=False``) and without an ``attention_mask`` (else the attention
+spans the sequences, as on "sdpa" and "eager", and a warning says so); or ``cu_seq_lens_q``/
+``cu_seq_lens_k`` with ``max_length_q``/``max_length_k`` (``return_flash_attn_kwargs=True``),
+honoured as transformers' flash-attention path honours them, provided the mask is their
+block-diagonal mask or plain causal (ValueError otherwise).
 Not supported: ``output_attentions=True`` (there are no weights; None is returned, as ``sdpa``
 does), paged caches, and any keyword argument whose meaning the kernels do not implement (sparse
 attention ``indices``/``block_indices``, per-token ``sinks``): ``attention_forward`` raises
@@ -471,20 +475,31 @@ def _kwargs_packing(module, query, key, attention_mask, is_causal, sliding_windo
     if attention_mask is not None:
         packed = getattr(attention_mask, _PACKED_TAG, None)
         same = packed is not None and packed[2] == window and torch.equal(packed[0], cu_q) and torch.equal(cu_q, cu_k)
-        if not same and not _mask_is_packing(attention_mask, cu_q, cu_k, window, b, nq, nk):
-            _refuse(module, "cu_seq_lens_q/cu_seq_lens_k together with an attention mask that is not their "
-                    "block-diagonal mask", "one of the two would be ignored; pass position_ids that restart at "
-                    "each sequence and no attention_mask, or no cu_seq_lens")
+        if not same and not _mask_agrees_with_packing(attention_mask, cu_q, cu_k, window, b, nq, nk):
+            _refuse(module, "cu_seq_lens_q/cu_seq_lens_k together with an attention mask that is neither their "
+                    "block-diagonal mask nor plain causal", "one of the two would be ignored; pass no "
+                    "attention_mask, or no cu_seq_lens")
     return cu_q, cu_k, max_q, max_k, window
 
 
-def _mask_is_packing(mask, cu_q, cu_k, window, b, nq, nk):
-    if not (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[-2:] == (nq, nk)
-            and nq == nk and torch.equal(cu_q, cu_k) and window[1] == 0):
+def _mask_agrees_with_packing(mask, cu_q, cu_k, window, b, nq, nk):
+    """Whether the bool mask (B, 1, N, N) is the causal pattern (within ``window``) of the packed
+    sequences of ``cu_q``, or of whole rows (what transformers builds from position ids with a cache:
+    it then adds nothing to the sequences); remembered on the mask for the other layers."""
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+            and mask.shape[-2:] == (nq, nk) and nq == nk and torch.equal(cu_q, cu_k) and window[1] == 0):
         return False
+    key = (tuple(cu_q.tolist()), window)
+    checked = getattr(mask, "_transformer_fast_checked", None)
+    if checked is not None and checked[0] == key:
+        return checked[1]
+    mask = mask.expand(b, 1, nq, nk)
     token = torch.arange(b * nq, device=mask.device)
     seq = (torch.searchsorted(cu_q.long(), token, right=True) - 1).view(b, nq)
-    return _matches_packed(mask.expand(b, 1, nq, nk), seq, window)
+    agrees = _matches_packed(mask, seq, window) or _matches_packed(mask, torch.zeros_like(seq), window)
+    if not _tracing(mask):
+        setattr(mask, "_transformer_fast_checked", (key, agrees))
+    return agrees
 
 
 def _warn_if_unmasked_packing(position_ids):
