@@ -417,7 +417,10 @@ def table(results) -> str:
         "* **not run**: served, but no comparison could be made here (the model takes no token ids, needs "
         "other inputs, or its shrunk config does not run); **not built**: no small model could be made.",
         "",
-        f"transformers {transformers.__version__}, torch {torch.__version__}. Regenerate with "
+        f"transformers {transformers.__version__}, torch {torch.__version__}"
+        + (f", TRANSFORMER_FAST_BACKEND={os.environ['TRANSFORMER_FAST_BACKEND']}"
+           if os.environ.get("TRANSFORMER_FAST_BACKEND") else "")
+        + ". Regenerate with "
         "`python tests/hf_families.py --write docs/huggingface_families.md` from the repository root "
         "(about 15 minutes on 2 CPU cores); `pytest -m slow tests/test_huggingface_families.py` checks that "
         "no family is served wrong.",

@@ -141,13 +141,47 @@ def _picks_attention_classes_by_name(cls) -> bool:
     return re.search(r"_ATTENTION_CLASSES\s*\[", _module_source(cls.__module__)) is not None
 
 
+_EAGER_AND_SDPA_ONLY = re.compile(
+    r"_attn_implementation\s+in\s+[(\[]\s*(['\"])(eager|sdpa)\1\s*,\s*(['\"])(eager|sdpa)\3\s*[)\]]")
+
+
 def _masks_only_for_eager_and_sdpa(cls) -> bool:
-    """Whether the module defining ``cls`` folds a mask into the attention mask only for "eager"
-    and "sdpa" (``if self.config._attn_implementation in ("eager", "sdpa"):``) and hands any other
+    """Whether ``cls`` uses, directly or through the classes of its module it names (its layers,
+    their attention), a class that folds a mask into the attention mask only for "eager" and
+    "sdpa" (``if self.config._attn_implementation in ("eager", "sdpa"):``) and hands any other
     implementation something else (DeepSeek V3.2, GLM-MoE-DSA, MiniMax-M3: the indexer's top-k
     selection as ``indices``/``block_indices``, which the kernels do not implement)."""
-    return re.search(r"_attn_implementation\s+in\s+[(\[]\s*(['\"])(eager|sdpa)\1\s*,\s*(['\"])(eager|sdpa)\3\s*[)\]]",
-                     _module_source(cls.__module__)) is not None
+    return cls.__name__ in _classes_reaching_eager_and_sdpa_only(cls.__module__)
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_reaching_eager_and_sdpa_only(module_name):
+    """The names of the classes of ``module_name`` whose bodies (not their bases) contain that
+    branch or name, transitively, a class of the module that does."""
+    source = _module_source(module_name)
+    if not _EAGER_AND_SDPA_ONLY.search(source):
+        return frozenset()
+    import ast
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # pragma: no cover - a module that imported parses
+        return frozenset()
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    uses, reaching = {}, set()
+    for name, node in classes.items():
+        body = [ast.get_source_segment(source, statement) or "" for statement in node.body]
+        if any(_EAGER_AND_SDPA_ONLY.search(text) for text in body):
+            reaching.add(name)
+        uses[name] = {n.id for statement in node.body for n in ast.walk(statement)
+                      if isinstance(n, ast.Name) and n.id in classes and n.id != name}
+    changed = True
+    while changed:
+        changed = False
+        for name, used in uses.items():
+            if name not in reaching and used & reaching:
+                reaching.add(name)
+                changed = True
+    return frozenset(reaching)
 
 
 def unsupported_model_message(model, name: str = NAME) -> str:
