@@ -377,6 +377,20 @@ def test_build_attention_mask_equals_sdpa_mask(case):
         assert got.shape == (3, 1, q_length, kv_length) and got.stride()[2] == 0
 
 
+def test_masks_verified_block_diagonal_are_tagged_packed():
+    """A mask that is exactly causal within runs of tokens gets their cumulative lengths: packed
+    sequences, and chunked attention (Llama 4) without padding, whose chunks are such runs."""
+    chunked = masking_utils.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+    args = dict(batch_size=2, q_length=10, kv_length=10, mask_function=chunked, local_size=4)
+    mask = tf_hf.build_attention_mask(config=llama_config(), **args)
+    assert torch.equal(mask, masking_utils.sdpa_mask(**args))
+    cu, max_len, window = getattr(mask, tf_hf._PACKED_TAG)
+    assert cu.tolist() == [0, 4, 8, 10, 14, 18, 20] and max_len == 4 and window == (-1, 0)
+    with_padding = tf_hf.build_attention_mask(config=llama_config(), attention_mask=torch.ones(2, 10, dtype=torch.bool),
+                                              **args)
+    assert not hasattr(with_padding, tf_hf._PACKED_TAG)  # only where no padding or cache can be in it
+
+
 def test_a_static_cache_prefill_keeps_its_mask():
     """sdpa_mask leaves out the causal mask of a static cache's prefill (4 queries, 9 cache slots,
     top-left causal); build_attention_mask keeps it, so that a missing mask with fewer queries than
