@@ -65,7 +65,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   // tile take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
   at::Tensor delta = at::empty({lse_rows}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
-  at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
+  if (p.Nk > BN) at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.H, h = bh % p.H;
       if (n_key_blocks(b) <= 1) continue;

@@ -3,12 +3,12 @@
 // the tiles). Decoding (at most kRowwiseMaxRows queries per sequence) stacks the query rows of all
 // the heads that share a key head into one task, so each key and value row is read once per key
 // head; with fewer tasks than threads, the keys of a task are split into parts that are merged
-// afterwards (attention_splits.h).
+// afterwards (attention_decode.h).
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
 #include "attention_sequences.h"
-#include "attention_splits.h"
+#include "attention_decode.h"
 #include "attention_tiles.h"
 #include "ops.h"
 
@@ -95,12 +95,13 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
     TileBuffer<float> v_float(kLowp ? kShortReduction * Dv : 0);
     TileBuffer<float> q_float(rowwise && kLowp ? R * D : 0), key_float(rowwise && kLowp ? kRowwiseChunk * D : 0);
     std::vector<const float*> q_rows(rowwise ? R : 0);
-    std::vector<const scalar_t*> k_rows(rowwise ? BN : 0);
+    std::vector<const scalar_t*> k_rows(rowwise ? BN : 0), v_rows(rowwise ? BN : 0);
     for (int64_t task; tasks.pop(task);) {
       const int64_t bi = task / parts, part = task % parts;
       const RowBlock& rb = blocks[bi];
       const int64_t b = rb.b, h0 = rb.h0, hk = h0 / group, i0 = rb.i0;
       const int64_t nq = p.q_len(b), nk = p.k_len(b), bm = std::min(BM, nq - i0), rows = heads * bm;
+      const bool few_rows = rowwise && rows <= kFewValueRows;  // P V by rows_times_values, P in fp32
       const Band band = band_of(p, nq, nk);
       const auto [klo, khi] = keys_of(b, i0, i0 + bm);
       // This part's tiles: [j_begin, j_end), from and to multiples of align (or the last key).
@@ -147,7 +148,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
         // Unmasked tiles without dropout write P straight into the product's operand, unless the
         // tile is short enough for fp32 products (kShortReduction), which read P from S.
-        const bool direct = kLowp && !masked && !p.dropout.active() && bn > kShortReduction;
+        const bool direct = kLowp && !few_rows && !masked && !p.dropout.active() && bn > kShortReduction;
         for (int64_t r = 0; r < rows; ++r) {
           float* s = S.data() + r * BN;
           scalar_t* p_row = kLowp ? P_lowp.data() + r * ldP : nullptr;
@@ -172,7 +173,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           if (masked) {
             for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
           }
-          if constexpr (kLowp) {
+          if (kLowp && !few_rows) {
             if (!direct) convert_row(s, p_row, bn);
             if (bn % 2) p_row[bn] = scalar_t(0);  // meets the packed V's zero row
           }
@@ -180,6 +181,12 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         UsedKeys used{0, bn, false};
         if (masked) used = used_keys(colsum.data(), bn);
         if (used.hi <= used.lo) continue;
+        if (few_rows) {
+          for (int64_t c = used.lo; c < used.hi; ++c) v_rows[c] = vrows.row(j0 + c);
+          rows_times_values(S.data() + used.lo, BN, rows, v_rows.data() + used.lo, used.hi - used.lo,
+                            masked ? colsum.data() + used.lo : nullptr, Dv, acc.data());
+          continue;
+        }
         if (packed_values) {
           const scalar_t* vb = vrows.row(j0);
           const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes

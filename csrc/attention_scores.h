@@ -224,16 +224,26 @@ inline float reduce_add(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// 2 rows x 4 keys at a time (8 accumulators), then the leftovers one pair at a time; each
-// element's partial sums are formed by the same loads and FMAs in the same order either way.
+// 2 rows x 4 keys at a time (8 accumulators), the keys outer, so that a group of 4 key rows is
+// loaded from memory once and stays in L1 for every row pair; the leftovers one at a time. Each
+// element's partial sums come from the same loads and FMAs in the same order either way.
+inline Vec dot_partial_sums(const float* q, const float* k, int64_t D) {
+  constexpr int64_t V = Vec::size();
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + V <= D; d += V) acc = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), acc);
+  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), Vec::loadu(k + d, D - d), acc);
+  return acc;
+}
+
 inline void dot_rows_fp32(const float* const* q, int64_t R, const float* const* k, int64_t n, int64_t D,
                           float scale, float* S, int64_t ldS) {
   constexpr int64_t V = Vec::size();
   const int64_t Dv = D - D % V, tail = D - Dv;
-  int64_t r = 0;
-  for (; r + 2 <= R; r += 2) {
-    int64_t c = 0;
-    for (; c + 4 <= n; c += 4) {
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) {
       Vec acc[2][4];
       for (auto& row : acc) for (auto& a : row) a = Vec(0.f);
       for (int64_t d = 0; d < Dv; d += V) {
@@ -257,22 +267,12 @@ inline void dot_rows_fp32(const float* const* q, int64_t R, const float* const* 
         S[(r + 1) * ldS + c + t] = reduce_add(acc[1][t]) * scale;
       }
     }
-    for (; c < n; ++c) {
-      for (int64_t rr = r; rr < r + 2; ++rr) {
-        Vec acc(0.f);
-        for (int64_t d = 0; d < Dv; d += V) acc = at::vec::fmadd(Vec::loadu(q[rr] + d), Vec::loadu(k[c] + d), acc);
-        if (tail) acc = at::vec::fmadd(Vec::loadu(q[rr] + Dv, tail), Vec::loadu(k[c] + Dv, tail), acc);
-        S[rr * ldS + c] = reduce_add(acc) * scale;
-      }
+    for (; r < R; ++r) {
+      for (int64_t t = 0; t < 4; ++t) S[r * ldS + c + t] = reduce_add(dot_partial_sums(q[r], k[c + t], D)) * scale;
     }
   }
-  for (; r < R; ++r) {
-    for (int64_t c = 0; c < n; ++c) {
-      Vec acc(0.f);
-      for (int64_t d = 0; d < Dv; d += V) acc = at::vec::fmadd(Vec::loadu(q[r] + d), Vec::loadu(k[c] + d), acc);
-      if (tail) acc = at::vec::fmadd(Vec::loadu(q[r] + Dv, tail), Vec::loadu(k[c] + Dv, tail), acc);
-      S[r * ldS + c] = reduce_add(acc) * scale;
-    }
+  for (; c < n; ++c) {
+    for (int64_t r = 0; r < R; ++r) S[r * ldS + c] = reduce_add(dot_partial_sums(q[r], k[c], D)) * scale;
   }
 }
 

@@ -325,6 +325,29 @@ def test_decode_dense(shape, dtype, products, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_garbage_in_padded_keys_does_not_leak(dtype):
+    """NaN and inf in padded keys and values, decoding (the stacked rows' value product skips the
+    keys no row uses), including a tile whose only unpadded keys are in its middle."""
+    B, H, Hk, Nq, Nk, D = 2, 6, 2, 2, 1100, 32
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk, dtype=dtype)
+    pad = torch.ones(B, Nk, dtype=torch.bool)
+    pad[0, 3:700] = False
+    pad[0, 1000:1010] = False
+    pad[1, 600:601] = False
+    garbage = pad[:, None, :, None]
+
+    def poisoned(q, k, v):
+        k = k.masked_fill(garbage, float("nan"))
+        v = v.masked_fill(garbage, float("inf"))
+        return tf.scaled_dot_product_attention(q, k, v, key_padding_mask=pad, enable_gqa=True, backend="cpp")
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, key_padding_mask=pad)
+
+    compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what="decode, garbage in padding")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_split_equals_unsplit(dtype):
     """num_splits cuts each sequence's keys into parts merged by their log-sum-exp: to rounding the
     result of no split, whether parts are empty (a window) or not, and the same on every run."""
