@@ -35,7 +35,7 @@ namespace cpu_attention {
 // (Measured alone, one thread, 4 rows against 262k value rows of 128 floats: strip by strip over
 // a whole 512-key tile, 51-57 ms; chunk by chunk, 43-50 ms; with the prefetch, 40-46 ms.)
 constexpr int64_t kValueRows = 4;    // rows per pass over the values
-constexpr int64_t kFewValueRows = 16;  // up to this many rows take this product
+constexpr int64_t kFewValueRows = 8;  // up to this many rows take this product
 
 template <typename T>
 inline void load_strip(const T* src, int64_t count, Vec& lo, Vec& hi) {

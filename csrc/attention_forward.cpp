@@ -1,7 +1,7 @@
 // Softmax attention on the CPU, forward: one task per (sequence, head, block of query rows), which
 // runs over the key tiles its rows may attend with an online softmax (attention_tiles.h describes
-// the tiles). Decoding (at most kRowwiseMaxRows queries per sequence) stacks the query rows of all
-// the heads that share a key head into one task, so each key and value row is read once per key
+// the tiles). Decoding with GQA (at most kRowwiseMaxRows queries per sequence) stacks the query rows of
+// all the heads that share a key head into one task, so each key and value row is read once per key
 // head; with fewer tasks than threads, the keys of a task are split into parts that are merged
 // afterwards (attention_decode.h).
 

@@ -218,7 +218,7 @@ inline void softcap_gradient_row(float* ds, const float* t, int64_t n) {
 // together), so the forward can stack the query rows of all the heads that share a key head
 // (decoding with GQA) and the backward still recomputes every score exactly. The query rows are
 // fp32 (bf16/fp16 converted exactly beforehand); key rows of bf16/fp16 are converted in chunks.
-constexpr int64_t kRowwiseMaxRows = 16;  // problems with at most this many query rows per sequence
+constexpr int64_t kRowwiseMaxRows = 16;  // query rows per sequence, with GQA (score_path)
 
 inline float reduce_add(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
