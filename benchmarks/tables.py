@@ -14,6 +14,7 @@ SUITE_TEXT = {
     "target_cpu_attention": "CPU attention target",
     "target_cpu_layer_norm": "CPU LayerNorm target",
     "target_cpu_linear_attention": "CPU linear attention target",
+    "linear_state": "causal linear attention prefill with a carried state against without one",
     "target_gpu_attention": "GPU attention against torch's FlashAttention backend",
     "gpu": "gpu suite: install check and gpu tests",
     "varlen": "CPU attention on packed sequences, a sliding window and a decoding step",
@@ -76,6 +77,8 @@ def _cpu_rows(latest, prefix, name):
                      f"`F.sdpa(is_causal=True)`; {p['forward']['vs_cumsum']:.0f}x / "
                      f"{p['forward+backward']['vs_cumsum']:.0f}x a cumulative-sum PyTorch linear attention",
                      _day(entry["created"]), _link(entry["file"], prefix)])
+    for entry in latest.get((name, "linear_state", ""), [])[:1]:
+        rows += _linear_state_rows(entry, prefix)
     for entry in latest.get((name, "target_cpu_layer_norm", ""), [])[:1]:
         d = entry["data"]
         rows.append([f"fused residual + LayerNorm, {d['shape']} (forward / forward+backward)",
@@ -89,6 +92,18 @@ def _cpu_rows(latest, prefix, name):
     for entry in latest.get((name, "models", ""), [])[:1]:
         rows += _models_rows(entry, prefix)
     return rows
+
+
+def _linear_state_rows(entry, prefix):
+    d = entry["data"]
+    if d.get("status") != "ok":
+        return []
+    figures = "; ".join(f"{p}: state in and out {row['state in, out']['ratio_to_no_state']:.2f}x, cut in two calls "
+                        f"{row['two calls']['ratio_to_no_state']:.2f}x" for p, row in d["passes"].items())
+    threads = "one thread" if d["threads"] == 1 else f"{d['threads']} threads"
+    return [[f"causal linear attention prefill with a carried state, {d['shape']}, {threads}: time with the state / "
+             f"time without (target: at most {d['target_ratio']:g}x)", figures, _day(entry["created"]),
+             _link(entry["file"], prefix)]]
 
 
 def _host_rows(entry, prefix):

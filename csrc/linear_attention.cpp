@@ -8,15 +8,19 @@
 // Causal: the sequence is cut into chunks of kCausalChunk tokens; a chunk's output is its masked
 // C x C block phi(Q_c) phi(K_c)^T V'_c plus phi(Q_c) S'_(before the chunk), then S' += phi(K_c)^T V'_c.
 // Nothing of size N x D x Dv is ever formed; the state is float32 (float64 for float64 inputs).
+// A carried state is the recurrence's starting value: S' starts from [S0, z0] instead of zero, and
+// the final state is S' after the last chunk (non-causal: after the last key).
 //
 // Backward, with g_i = dout_i, den_i = n'_i[Dv] + eps, out_i = n_i / den_i:
 //   G'_i = [g_i / den_i, -(g_i . out_i) / den_i]         (d numerator, d denominator)
 //   dW_ij = G'_i . v'_j  for the allowed (i, j)           (d phi(q_i).phi(k_j))
 //   d phi(q_i) = sum_j dW_ij phi(k_j) = S'_(i) G'_i       (S'_(i): the state the forward used for row i)
 //   d phi(k_j) = sum_i dW_ij phi(q_i) = R'_(j) v'_j,  dv_j = R'_(j)[:, :Dv]^T phi(k_j)
-// with the reverse-direction state R'_(j) = sum_{allowed i} phi(q_i)^T G'_i. The causal form does
-// the intra-chunk (C x C) parts in a forward sweep (which also yields G'), and the inter-chunk
-// parts with R' in a reverse sweep. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
+// with the reverse-direction state R'_(j) = dS'_F + sum_{allowed i} phi(q_i)^T G'_i, where dS'_F =
+// [dS_F, dz_F] is the gradient arriving at the final state (every unpadded key is in it). The causal
+// form does the intra-chunk (C x C) parts in a forward sweep (which also yields G'), and the
+// inter-chunk parts with R' in a reverse sweep. The initial state's gradient is R' once every row
+// is in it: dS'0 = dS'_F + sum_i phi(q_i)^T G'_i. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
@@ -67,6 +71,48 @@ struct Heads {
       : data(t.const_data_ptr<scalar_t>()), stride_b(t.stride(0)), stride_h(t.stride(1)), stride_n(t.stride(2)) {}
   const scalar_t* head(int64_t b, int64_t h) const { return data + b * stride_b + h * stride_h; }
 };
+
+// A state given per (batch, head) as S (B, H, D, Dv) and z (B, H, D), any strides; either may be
+// absent (zero). load() writes head (b, h) as S' = [S, z] (D x (Dv + 1)).
+template <typename acc_t>
+struct StateHeads {
+  const acc_t* S = nullptr;
+  const acc_t* z = nullptr;
+  int64_t S_b = 0, S_h = 0, S_d = 0, S_e = 0, z_b = 0, z_h = 0, z_d = 0;
+  StateHeads(const at::Tensor& S_t, const at::Tensor& z_t) {
+    if (S_t.defined()) {
+      S = S_t.const_data_ptr<acc_t>();
+      S_b = S_t.stride(0), S_h = S_t.stride(1), S_d = S_t.stride(2), S_e = S_t.stride(3);
+    }
+    if (z_t.defined()) {
+      z = z_t.const_data_ptr<acc_t>();
+      z_b = z_t.stride(0), z_h = z_t.stride(1), z_d = z_t.stride(2);
+    }
+  }
+  void load(int64_t b, int64_t h, int64_t D, int64_t Dv, acc_t* dst) const {
+    const int64_t E = Dv + 1;
+    for (int64_t d = 0; d < D; ++d) {
+      acc_t* row = dst + d * E;
+      if (S != nullptr) {
+        const acc_t* src = S + b * S_b + h * S_h + d * S_d;
+        for (int64_t e = 0; e < Dv; ++e) row[e] = src[e * S_e];
+      } else {
+        std::fill(row, row + Dv, acc_t(0));
+      }
+      row[Dv] = z != nullptr ? z[b * z_b + h * z_h + d * z_d] : acc_t(0);
+    }
+  }
+};
+
+// S (D x Dv) and z (D), contiguous, from S' = [S, z] (D x (Dv + 1)).
+template <typename acc_t>
+void store_state(const acc_t* src, int64_t D, int64_t Dv, acc_t* S, acc_t* z) {
+  const int64_t E = Dv + 1;
+  for (int64_t d = 0; d < D; ++d) {
+    std::copy(src + d * E, src + d * E + Dv, S + d * Dv);
+    z[d] = src[d * E + Dv];
+  }
+}
 
 // dst[r, :width] = src row r (as acc_t, through phi if feature_map) for r < rows; rows of padded
 // keys are zeros and are not read. With ones_column, dst[r, width] = 1 (0 for a padded key).
@@ -156,6 +202,17 @@ struct Sizes {
   int64_t B, H, Nq, Nk, D, Dv;
 };
 
+// What a head's sweep starts from and leaves: the state it starts from (the initial state in the
+// forward, the final state's gradient in the reverse sweep) and, where wanted, where the state it
+// ends with goes (S, z; nullptr: not wanted).
+template <typename acc_t>
+struct HeadState {
+  const StateHeads<acc_t>& start;
+  int64_t b, h;
+  acc_t* end_S;
+  acc_t* end_z;
+};
+
 // The whole non-causal state S' (D x E) += phi(K)^T V' over all keys, chunk by chunk (Kc, Vc:
 // chunk buffers; padded keys load as zeros).
 template <typename scalar_t, typename acc_t>
@@ -173,7 +230,8 @@ void accumulate_state(const Sizes& s, const scalar_t* k, int64_t sk, const scala
 
 template <typename scalar_t, typename acc_t>
 void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t* k, int64_t sk, const scalar_t* v,
-                  int64_t sv, const bool* padded, bool is_causal, acc_t eps, scalar_t* out, std::vector<acc_t>& ws) {
+                  int64_t sv, const bool* padded, bool is_causal, acc_t eps, scalar_t* out, const HeadState<acc_t>& st,
+                  std::vector<acc_t>& ws) {
   const int64_t D = s.D, Dv = s.Dv, E = Dv + 1;
   const int64_t C = is_causal ? kCausalChunk : kChunk;
   ws.resize(2 * C * D + 2 * C * E + C * C + D * E);
@@ -183,9 +241,10 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
   acc_t* Nc = Vc + C * E;
   acc_t* A = Nc + C * E;
   acc_t* S = A + C * C;
-  std::fill(S, S + D * E, acc_t(0));
+  st.start.load(st.b, st.h, D, Dv, S);
   if (!is_causal) {
     accumulate_state(s, k, sk, v, sv, padded, Kc, Vc, S);
+    if (st.end_S != nullptr) store_state(S, D, Dv, st.end_S, st.end_z);
     for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
       const int64_t rows = std::min(C, s.Nq - i0);
       load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, Qc, D);
@@ -207,12 +266,14 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
     store_normalized(Nc, rows, Dv, eps, out + i0 * Dv);
     matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);      // S' += phi(K_c)^T V'_c
   }
+  if (st.end_S != nullptr) store_state(S, D, Dv, st.end_S, st.end_z);
 }
 
 template <typename scalar_t, typename acc_t>
 void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
                              const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
-                             acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, std::vector<acc_t>& ws) {
+                             acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, const HeadState<acc_t>& initial,
+                             const HeadState<acc_t>& reverse, std::vector<acc_t>& ws) {
   const int64_t D = s.D, Dv = s.Dv, E = Dv + 1, C = kChunk;
   ws.resize(2 * C * D + 2 * C * E + 2 * D * E);
   acc_t* X = ws.data();      // phi(Q) or phi(K) block
@@ -221,7 +282,8 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
   acc_t* Nc = Y + C * E;     // n', or dv block
   acc_t* S = Nc + C * E;
   acc_t* R = S + D * E;
-  std::fill(S, S + 2 * D * E, acc_t(0));
+  initial.start.load(initial.b, initial.h, D, Dv, S);
+  reverse.start.load(reverse.b, reverse.h, D, Dv, R);
   accumulate_state(s, k, sk, v, sv, padded, X, Y, S);
   for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
     const int64_t rows = std::min(C, s.Nq - i0);
@@ -232,6 +294,7 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
     store_input_grad(dX, X, rows, D, static_cast<const bool*>(nullptr), dq + i0 * D);
     matmul(true, false, D, E, rows, X, D, Y, E, acc_t(1), R, E);    // R' += phi(Q)^T G'
   }
+  if (reverse.end_S != nullptr) store_state(R, D, Dv, reverse.end_S, reverse.end_z);  // dS'0 = R'
   for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
     const int64_t rows = std::min(C, s.Nk - j0);
     const bool* pad = padded ? padded + j0 : nullptr;
@@ -247,7 +310,8 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
 template <typename scalar_t, typename acc_t>
 void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
                           const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
-                          acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, std::vector<acc_t>& ws) {
+                          acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, const HeadState<acc_t>& initial,
+                          const HeadState<acc_t>& reverse, std::vector<acc_t>& ws) {
   const int64_t N = s.Nq, D = s.D, Dv = s.Dv, E = Dv + 1, C = kCausalChunk;
   // Whole-sequence buffers (linear in N): phi(Q), phi(K), V', G', d phi(K), dv; then per-chunk scratch.
   ws.resize(3 * N * D + 2 * N * E + N * Dv + 2 * C * C + C * E + C * D + D * E);
@@ -265,7 +329,7 @@ void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, cons
   load_rows(q, sq, N, D, static_cast<const bool*>(nullptr), true, false, Q, D);
   load_rows(k, sk, N, D, padded, true, false, K, D);
   load_rows(v, sv, N, Dv, padded, false, true, V, E);
-  std::fill(S, S + D * E, acc_t(0));
+  initial.start.load(initial.b, initial.h, D, Dv, S);
   for (int64_t i0 = 0; i0 < N; i0 += C) {
     const int64_t rows = std::min(C, N - i0);
     const acc_t* Qc = Q + i0 * D;
@@ -287,13 +351,14 @@ void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, cons
     matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K_c)^T V'_c
   }
   acc_t* R = S;
-  std::fill(R, R + D * E, acc_t(0));
-  for (int64_t i0 = ((N - 1) / C) * C; i0 >= 0; i0 -= C) {
+  reverse.start.load(reverse.b, reverse.h, D, Dv, R);
+  for (int64_t i0 = N > 0 ? ((N - 1) / C) * C : -1; i0 >= 0; i0 -= C) {
     const int64_t rows = std::min(C, N - i0);
     matmul(false, true, rows, D, E, V + i0 * E, E, R, E, acc_t(1), dK + i0 * D, D);    // d phi(K_c) += V'_c R'^T
     matmul(false, false, rows, Dv, D, K + i0 * D, D, R, E, acc_t(1), dV + i0 * Dv, Dv);  // dv_c += phi(K_c) R
     matmul(true, false, D, E, rows, Q + i0 * D, D, G + i0 * E, E, acc_t(1), R, E);     // R' += phi(Q_c)^T G'_c
   }
+  if (reverse.end_S != nullptr) store_state(R, D, Dv, reverse.end_S, reverse.end_z);  // dS'0 = R'
   store_input_grad(dK, K, N, D, padded, dk);
   store_value_grad(dV, Dv, N, Dv, padded, dv);
 }
@@ -320,6 +385,22 @@ void check_inputs(const char* fn, const at::Tensor& q, const at::Tensor& k, cons
   }
 }
 
+// The state's dtype: float32, float64 for float64 inputs.
+at::ScalarType state_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A state tensor (S: (B, H, D, Dv), z: (B, H, D)) in the state's dtype on the CPU; an undefined
+// tensor where absent.
+at::Tensor checked_state(const char* fn, const char* name, const std::optional<at::Tensor>& t,
+                         at::IntArrayRef shape, at::ScalarType dtype) {
+  if (!t.has_value()) return at::Tensor();
+  TORCH_CHECK(t->sizes() == shape && t->scalar_type() == dtype && t->device().is_cpu(), fn, ": ", name,
+              " must be a ", dtype, " CPU tensor of shape ", shape, ", got ", t->scalar_type(), " ", t->device(), " ",
+              t->sizes());
+  return *t;
+}
+
 // A view with a unit last-dim stride (a copy only if the last dim is strided).
 at::Tensor unit_last_stride(const at::Tensor& t) {
   return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
@@ -330,68 +411,100 @@ using acc_type_for = std::conditional_t<std::is_same_v<scalar_t, double>, double
 
 }  // namespace
 
-at::Tensor linear_attention_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps) {
-  check_inputs("linear_attention_forward", q_in, k_in, v_in, key_padding_mask, is_causal);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_forward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps,
+    const std::optional<at::Tensor>& initial_S, const std::optional<at::Tensor>& initial_z, bool output_final_state) {
+  constexpr const char* fn = "linear_attention_forward";
+  check_inputs(fn, q_in, k_in, v_in, key_padding_mask, is_causal);
+  TORCH_CHECK(initial_S.has_value() == initial_z.has_value(), fn, ": initial_S and initial_z come together");
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const Sizes s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  const auto state_options = q.options().dtype(state_dtype(q));
+  const at::Tensor S0 = checked_state(fn, "initial_S", initial_S, {s.B, s.H, s.D, s.Dv}, state_dtype(q));
+  const at::Tensor z0 = checked_state(fn, "initial_z", initial_z, {s.B, s.H, s.D}, state_dtype(q));
   at::Tensor out = new_output({s.B, s.H, s.Nq, s.Dv}, q.options());
-  if (out.numel() == 0) return out;
-  if (s.Nk == 0) return out.zero_();
+  at::Tensor final_S = output_final_state ? new_output({s.B, s.H, s.D, s.Dv}, state_options)
+                                          : at::empty({0}, state_options);
+  at::Tensor final_z = output_final_state ? new_output({s.B, s.H, s.D}, state_options) : at::empty({0}, state_options);
+  if (s.B * s.H == 0) return {out, final_S, final_z};
   const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_forward", [&] {
     using acc_t = acc_type_for<scalar_t>;
     const Heads<scalar_t> qh(q), kh(k), vh(v);
+    const StateHeads<acc_t> start(S0, z0);
     const bool* mask_ptr = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
     scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
+    acc_t* S_ptr = output_final_state ? final_S.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* z_ptr = output_final_state ? final_z.mutable_data_ptr<acc_t>() : nullptr;
     at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> ws;
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / s.H, h = bh % s.H;
+        const HeadState<acc_t> st{start, b, h, S_ptr ? S_ptr + bh * s.D * s.Dv : nullptr,
+                                  z_ptr ? z_ptr + bh * s.D : nullptr};
         forward_head<scalar_t, acc_t>(s, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
                                       vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, is_causal,
-                                      static_cast<acc_t>(eps), out_ptr + bh * s.Nq * s.Dv, ws);
+                                      static_cast<acc_t>(eps), out_ptr + bh * s.Nq * s.Dv, st, ws);
       }
     });
   });
-  return out;
+  return {out, final_S, final_z};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps) {
-  check_inputs("linear_attention_backward", q_in, k_in, v_in, key_padding_mask, is_causal);
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps,
+    const std::optional<at::Tensor>& initial_S, const std::optional<at::Tensor>& initial_z,
+    const std::optional<at::Tensor>& grad_final_S, const std::optional<at::Tensor>& grad_final_z) {
+  constexpr const char* fn = "linear_attention_backward";
+  check_inputs(fn, q_in, k_in, v_in, key_padding_mask, is_causal);
   TORCH_CHECK(dout_in.dim() == 4 && dout_in.size(0) == q_in.size(0) && dout_in.size(1) == q_in.size(1) &&
                   dout_in.size(2) == q_in.size(2) && dout_in.size(3) == v_in.size(3),
               "linear_attention_backward: dout must be (B, H, Nq, Dv), got ", dout_in.sizes());
+  TORCH_CHECK(initial_S.has_value() == initial_z.has_value(), fn, ": initial_S and initial_z come together");
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = unit_last_stride(dout_in.to(q.scalar_type()));
   const Sizes s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  const auto dtype = state_dtype(q);
+  const at::Tensor S0 = checked_state(fn, "initial_S", initial_S, {s.B, s.H, s.D, s.Dv}, dtype);
+  const at::Tensor z0 = checked_state(fn, "initial_z", initial_z, {s.B, s.H, s.D}, dtype);
+  const at::Tensor dS_final = checked_state(fn, "grad_final_S", grad_final_S, {s.B, s.H, s.D, s.Dv}, dtype);
+  const at::Tensor dz_final = checked_state(fn, "grad_final_z", grad_final_z, {s.B, s.H, s.D}, dtype);
+  const bool has_initial = initial_S.has_value();
+  const auto state_options = q.options().dtype(dtype);
   at::Tensor dq = new_output(q.sizes(), q.options());
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
-  if (s.B * s.H == 0) return {dq, dk, dv};
-  if (s.Nq == 0 || s.Nk == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  at::Tensor dS0 = has_initial ? new_output({s.B, s.H, s.D, s.Dv}, state_options) : at::empty({0}, state_options);
+  at::Tensor dz0 = has_initial ? new_output({s.B, s.H, s.D}, state_options) : at::empty({0}, state_options);
+  if (s.B * s.H == 0) return {dq, dk, dv, dS0, dz0};
   const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_backward", [&] {
     using acc_t = acc_type_for<scalar_t>;
     const Heads<scalar_t> gh(dout), qh(q), kh(k), vh(v);
+    const StateHeads<acc_t> forward_start(S0, z0), reverse_start(dS_final, dz_final);
     const bool* mask_ptr = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
     scalar_t* dq_ptr = dq.mutable_data_ptr<scalar_t>();
     scalar_t* dk_ptr = dk.mutable_data_ptr<scalar_t>();
     scalar_t* dv_ptr = dv.mutable_data_ptr<scalar_t>();
+    acc_t* dS0_ptr = has_initial ? dS0.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* dz0_ptr = has_initial ? dz0.mutable_data_ptr<acc_t>() : nullptr;
     at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> ws;
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / s.H, h = bh % s.H;
+        const HeadState<acc_t> initial{forward_start, b, h, nullptr, nullptr};
+        const HeadState<acc_t> reverse{reverse_start, b, h, dS0_ptr ? dS0_ptr + bh * s.D * s.Dv : nullptr,
+                                       dz0_ptr ? dz0_ptr + bh * s.D : nullptr};
         const auto kernel = is_causal ? backward_head_causal<scalar_t, acc_t> : backward_head_noncausal<scalar_t, acc_t>;
         kernel(s, gh.head(b, h), gh.stride_n, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
                vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, static_cast<acc_t>(eps),
-               dq_ptr + bh * s.Nq * s.D, dk_ptr + bh * s.Nk * s.D, dv_ptr + bh * s.Nk * s.Dv, ws);
+               dq_ptr + bh * s.Nq * s.D, dk_ptr + bh * s.Nk * s.D, dv_ptr + bh * s.Nk * s.Dv, initial, reverse, ws);
       }
     });
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dS0, dz0};
 }
 
 }  // namespace transformer_fast

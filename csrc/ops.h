@@ -50,14 +50,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double eps, bool is_rms);
 
-// ---- linear attention (linear_attention.cpp) ----
-at::Tensor linear_attention_forward(
+// ---- linear attention (linear_attention.cpp); results a call does not produce are empty tensors ----
+// (out, final S, final z)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps);
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps,
+    const std::optional<at::Tensor>& initial_S, const std::optional<at::Tensor>& initial_z, bool output_final_state);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
+// (dq, dk, dv, d initial S, d initial z)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps);
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double eps,
+    const std::optional<at::Tensor>& initial_S, const std::optional<at::Tensor>& initial_z,
+    const std::optional<at::Tensor>& grad_final_S, const std::optional<at::Tensor>& grad_final_z);
 
 // ---- the public ops (csrc/<family>_op.cpp, attention_args.cpp): argument checks, then the kernel ops ----
 // Checked and normalised arguments: dense q, k, v 4-D (packed: 3-D, or 4-D key/value pages), autocast
@@ -104,8 +109,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_attn(
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
                                                           int64_t seed);
 
-// x and residual as (rows, width); weight and bias flattened to (width,); rows_empty when the
-// rows have no elements (then only x, residual and the result shape mean anything).
+// x and residual with the normalised dims as one last dim (unit stride); weight and bias flattened
+// to (width,); rows_empty when the rows have no elements (then only x, residual and the result
+// shape mean anything).
 struct LayerNormArgs {
   at::Tensor x;
   std::optional<at::Tensor> residual, weight, bias;
@@ -120,14 +126,18 @@ std::tuple<at::Tensor, at::Tensor> layer_norm(const at::Tensor& input, c10::SymI
                                               const std::optional<at::Tensor>& bias, std::optional<double> eps,
                                               const std::optional<at::Tensor>& residual, bool is_rms);
 
+// The initial state (S, z) checked against the inputs (both or neither; float32, float64 for float64 inputs).
 struct LinearAttentionArgs {
   at::Tensor q, k, v;
-  std::optional<at::Tensor> key_padding_mask;
+  std::optional<at::Tensor> key_padding_mask, initial_S, initial_z;
 };
 LinearAttentionArgs linear_attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                           bool is_causal, const std::optional<at::Tensor>& key_padding_mask,
-                                          double eps);
-at::Tensor linear_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
-                            const std::optional<at::Tensor>& key_padding_mask, double eps);
+                                          double eps, const std::optional<at::Tensor>& initial_S,
+                                          const std::optional<at::Tensor>& initial_z);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool is_causal,
+    const std::optional<at::Tensor>& key_padding_mask, double eps, const std::optional<at::Tensor>& initial_S,
+    const std::optional<at::Tensor>& initial_z, bool output_final_state);
 
 }  // namespace transformer_fast

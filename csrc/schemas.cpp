@@ -21,8 +21,10 @@ TORCH_LIBRARY(transformer_fast, m) {
   // (y, h): h = input + residual, or an empty tensor without a residual.
   m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
         "float? eps=None, Tensor? residual=None, bool is_rms=False) -> (Tensor, Tensor)");
+  // (out, final S, final z): the state after the last key when output_final_state, else empty tensors.
   m.def("linear_attention(Tensor query, Tensor key, Tensor value, bool is_causal=False, "
-        "Tensor? key_padding_mask=None, float eps=1e-06) -> Tensor");
+        "Tensor? key_padding_mask=None, float eps=1e-06, Tensor? initial_state_S=None, "
+        "Tensor? initial_state_z=None, bool output_final_state=False) -> (Tensor, Tensor, Tensor)");
 
   // Kernel ops: the contract of each is in transformer_fast/<family>.py. Results a call does not
   // produce are empty tensors (an op cannot return None).
@@ -41,9 +43,10 @@ TORCH_LIBRARY(transformer_fast, m) {
   m.def("layer_norm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "
         "Tensor rstd, float eps, bool is_rms) -> (Tensor, Tensor, Tensor)");
   m.def("linear_attention_forward(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool is_causal, "
-        "float eps) -> Tensor");
+        "float eps, Tensor? initial_S, Tensor? initial_z, bool output_final_state) -> (Tensor, Tensor, Tensor)");
   m.def("linear_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
-        "bool is_causal, float eps) -> (Tensor, Tensor, Tensor)");
+        "bool is_causal, float eps, Tensor? initial_S, Tensor? initial_z, Tensor? grad_final_S, "
+        "Tensor? grad_final_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // The first-order gradients as a graph torch can differentiate again (second derivatives,
   // create_graph=True): the op written in differentiable torch (transformer_fast/_composite.py),
@@ -55,5 +58,6 @@ TORCH_LIBRARY(transformer_fast, m) {
   m.def("layer_norm_backward_composite(Tensor dy, Tensor h, Tensor? weight, Tensor? bias, float eps, "
         "bool is_rms) -> (Tensor, Tensor, Tensor)");
   m.def("linear_attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, "
-        "Tensor? key_padding_mask, bool is_causal, float eps) -> (Tensor, Tensor, Tensor)");
+        "Tensor? key_padding_mask, bool is_causal, float eps, Tensor? initial_S, Tensor? initial_z, "
+        "Tensor? grad_final_S, Tensor? grad_final_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

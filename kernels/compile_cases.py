@@ -180,7 +180,9 @@ def linear_attention_cases():
     every kernel mode is compiled at each contracted width's largest column tile for half
     precision (smaller column tiles of a width are the same program with smaller tiles), at the
     smallest, middle and largest width for fp32 (its own, smaller blocks), with bf16 and the
-    mask on/off spread over them, plus the smallest shape."""
+    mask on/off spread over them, plus the smallest shape. Every scan mode also compiles at every
+    shape with a carried state (HAS_STATE; STORE_STATE where the mode writes a state: the final
+    state, dS0, dz0), which adds the state tile's load and store to the registers the scan holds."""
     widest = la.MAX_BLOCK_C
     shapes = [(16, 16, torch.float16, True), (32, widest, torch.bfloat16, False),
               (64, widest, torch.float16, True), (128, widest, torch.float16, False),
@@ -194,16 +196,20 @@ def linear_attention_cases():
         common = dict(HAS_MASK=has_mask, PRECISION=precision)
         tag = f"{ty}_mask{int(has_mask)}_a{blocks['BLOCK_A']}_c{blocks['BLOCK_C']}_n{blocks['BLOCK_N']}"
         for mode in (la.FWD_OUT, la.FWD_STATS, la.BWD_DQ, la.BWD_DK, la.BWD_DV):
-            sig = {name: ptr for name in ("Q", "K", "V", "DO")}
-            sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == la.FWD_STATS else ptr)
-            sig.update({name: "i32" for name in (
-                "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
-                "smb", "smn", "H", "N", "D", "DV", "n_ptiles")})
-            sig["eps"] = "fp32"
-            const = dict(MODE=mode.value, **common, **blocks)
-            sig.update({name: "constexpr" for name in const})
-            cases.append(dict(name=f"linattn_scan_mode{mode.value}_{tag}", fn=la.causal_scan_kernel, signature=sig,
-                              constexprs=const, num_warps=num_warps, num_stages=2))
+            for has_state in (False, True):
+                sig = {name: ptr for name in ("Q", "K", "V", "DO")}
+                sig.update(KPM="*u8", DEN="*fp32", P="*fp32", OUT="*fp32" if mode == la.FWD_STATS else ptr,
+                           ST="*fp32", SZ="*fp32", FS="*fp32", FZ="*fp32")
+                sig.update({name: "i32" for name in (
+                    "sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sdb", "sdh", "sdn",
+                    "smb", "smn", "stb", "sth", "sta", "stc", "szb", "szh", "szd", "H", "N", "D", "DV", "n_ptiles")})
+                sig["eps"] = "fp32"
+                store = has_state and mode in (la.FWD_OUT, la.BWD_DK, la.BWD_DV)
+                const = dict(MODE=mode.value, HAS_STATE=has_state, STORE_STATE=store, **common, **blocks)
+                sig.update({name: "constexpr" for name in const})
+                cases.append(dict(name=f"linattn_scan_mode{mode.value}{'_state' if has_state else ''}_{tag}",
+                                  fn=la.causal_scan_kernel, signature=sig, constexprs=const, num_warps=num_warps,
+                                  num_stages=2))
         for backward in (False, True):
             sig = dict(X=ptr, Y=ptr, KPM="*u8", DEN="*fp32", G="*fp32", WS_T="*fp32", WS_t="*fp32")
             sig.update({name: "i32" for name in (

@@ -11,14 +11,18 @@ with W(i) all keys (non-causal) or j <= i (causal).
 
 Non-causal: ``state_kernel`` sums a state T = sum_j X'_j^T Y_j (D x Dv) and t = sum_j X'_j u_j
 (D) over a split of the rows, for (K, V) in the forward and (Q, G) in the backward; the splits'
-partial states are reduced with one torch sum (no atomics). ``apply_kernel`` then multiplies
+partial states are reduced with one torch sum (no atomics), to which the initial state (forward)
+or the final state's gradient (backward) is added. ``apply_kernel`` then multiplies
 each block of rows by the state, looping over Dv tiles so that the normaliser phi(q).z is
 computed once per row; in the backward it also accumulates dO S^T (-> dQ) or V R^T (-> dK).
 
 Causal: ``causal_scan_kernel``, the chunked form. One program per (batch*head, column tile)
 walks the sequence in chunks of BLOCK_N rows (forwards, or backwards for dK/dV), carrying the
 state T (BLOCK_A x BLOCK_C, fp32) in registers; inside a chunk the masked a b^T product, across
-chunks a T, so all the work is tl.dot. All four causal products have the form
+chunks a T, so all the work is tl.dot. A carried state is where the scans start: the forward
+scans (out, stats, dQ) from the initial state (S0, z0), the reverse ones (dK, dV) from the final
+state's gradient (dS_F, dz_F); where the reverse scans end is the initial state's gradient
+(dV's T is dS0, dK's t is dz0), and where the forward one ends the final state. All four causal products have the form
 y_i = sum_{j in W(i)} (a_i . b_j + alpha_i beta_j) c_j (see the MODE table in the kernel).
 The column dimension (c's) is tiled so the state fits registers; the contracted dimension (a,
 b) is always whole, so the normaliser (contracted over D) and g (contracted over Dv) are exact
@@ -93,10 +97,11 @@ def _g_of_rows(DEN, P, rows, row_ok, n_ptiles, p_tile_stride):
 
 @triton.jit
 def causal_scan_kernel(
-    Q, K, V, DO, KPM, DEN, P, OUT,
+    Q, K, V, DO, KPM, DEN, P, OUT, ST, SZ, FS, FZ,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn, smb, smn,
+    stb, sth, sta, stc, szb, szh, szd,
     H, N, D, DV, n_ptiles, eps,
-    MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr, STORE_STATE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """MODE   a (contracted)  b             c (column tile)  alpha  beta   scan      writes
@@ -106,7 +111,12 @@ def causal_scan_kernel(
        BWD_DV K'   [D]        Q'            G   [Dv tile]    -      -      backwards dV
     y_i = sum_{j in chunk, causal} (a_i . b_j + alpha_i beta_j) c_j + a_i T + alpha_i t, then
     T += b^T c and t += beta^T c. OUT is (B, H, N, width of c) contiguous; DEN (B*H, N) and
-    P (tiles, B*H, N) fp32."""
+    P (tiles, B*H, N) fp32.
+    HAS_STATE: T starts from ST[b, h] read as (a, c) through the strides (sta, stc) (S0 in the
+    forward modes, dS_F in the reverse ones; the launcher gives the transposed strides where a is
+    Dv), t from SZ[b, h, c] (z in the forward modes from SZ[b, h, a]). STORE_STATE: FWD_OUT writes
+    T, z (the final state) to FS (B*H, D, DV) and FZ (B*H, D), BWD_DV its T (dS0) to FS and BWD_DK
+    its t (dz0) to FZ, all fp32."""
     REVERSE: tl.constexpr = MODE == BWD_DK or MODE == BWD_DV
     HAS_ALPHA: tl.constexpr = MODE == BWD_DQ or MODE == BWD_DK
     A_IS_D: tl.constexpr = MODE == FWD_OUT or MODE == FWD_STATS or MODE == BWD_DV
@@ -135,6 +145,15 @@ def causal_scan_kernel(
     T = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
     t = tl.zeros((BLOCK_C,), dtype=tl.float32)
     z = tl.zeros((BLOCK_A,), dtype=tl.float32)  # forward only: sum of K', for the normaliser
+    if HAS_STATE:
+        ST += b * stb + h * sth
+        SZ += b * szb + h * szh
+        T = tl.load(ST + a_cols[:, None] * sta + c_cols[None, :] * stc, mask=a_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if MODE == FWD_OUT or MODE == FWD_STATS:
+            z = tl.load(SZ + a_cols * szd, mask=a_ok, other=0.0).to(tl.float32)
+        elif HAS_ALPHA:
+            t = tl.load(SZ + c_cols * szd, mask=c_ok, other=0.0).to(tl.float32)
     n_chunks = tl.cdiv(N, BLOCK_N)
     for it in range(0, n_chunks):
         if REVERSE:
@@ -202,6 +221,15 @@ def causal_scan_kernel(
             tl.store(out_ptrs, dk.to(OUT.dtype.element_ty), mask=out_mask)
         else:
             tl.store(out_ptrs, tl.where(key_ok[:, None], y, 0.0).to(OUT.dtype.element_ty), mask=out_mask)
+    if STORE_STATE:
+        if MODE == FWD_OUT or MODE == BWD_DV:  # T is (D, DV tile): the final state, or dS0
+            tl.store(FS + pid_bh * D * DV + a_cols[:, None] * DV + c_cols[None, :], T,
+                     mask=a_ok[:, None] & c_ok[None, :])
+        if MODE == FWD_OUT:
+            if pid_c == 0:
+                tl.store(FZ + pid_bh * D + a_cols, z, mask=a_ok)
+        elif MODE == BWD_DK:  # t is the D tile of dz0
+            tl.store(FZ + pid_bh * D + c_cols, t, mask=c_ok)
 
 
 @triton.jit
@@ -367,22 +395,33 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps):
-    """Launches causal_scan_kernel; returns the number of column tiles."""
+def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps, state=None, final=(None, None)):
+    """Launches causal_scan_kernel; returns the number of column tiles. `state`: the (S, z) pair
+    the scan starts from (see the kernel), or None; `final`: the (FS, FZ) it writes, or Nones."""
     B, H, N, D = q.shape
     Dv = v.shape[3]
-    na, nc = (D, Dv) if mode in (FWD_OUT, FWD_STATS, BWD_DV) else (Dv, D)
+    forward_layout = mode in (FWD_OUT, FWD_STATS, BWD_DV)  # a is D (else Dv: the state is read transposed)
+    na, nc = (D, Dv) if forward_layout else (Dv, D)
     blocks, num_warps, precision = block_config(na, nc, q.dtype)
     grid = (B * H, cdiv(nc, blocks["BLOCK_C"]))
     if den is None:
         return grid[1]
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, q)
+    if state is not None:
+        S, z = state
+        sta, stc = (S.stride(2), S.stride(3)) if forward_layout else (S.stride(3), S.stride(2))
+        state_args = (S.stride(0), S.stride(1), sta, stc, z.stride(0), z.stride(1), z.stride(2))
+    else:
+        S = z = den
+        state_args = (0,) * 7
+    store = final[0] is not None or final[1] is not None
+    fs, fz = (den if t is None else t for t in final)
     causal_scan_kernel[grid](
-        q, k, v, dout, mask, den, p, out,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn,
+        q, k, v, dout, mask, den, p, out, S, z, fs, fz,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn, *state_args,
         H, N, D, Dv, n_ptiles, eps,
-        MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, **blocks, num_warps=num_warps, num_stages=2,
-        **LAUNCH_OPTIONS)
+        MODE=mode.value, HAS_MASK=has_mask, HAS_STATE=state is not None, STORE_STATE=store, PRECISION=precision,
+        **blocks, num_warps=num_warps, num_stages=2, **LAUNCH_OPTIONS)
     return grid[1]
 
 
@@ -404,6 +443,9 @@ def _state(x, y, key_padding_mask, den, g):
     """(S, z): S = sum X'^T Y (B*H, D, Dv), z = sum X' u (B*H, D), fp32; backward if den is given."""
     B, H, N, D = x.shape
     Dv = y.shape[3]
+    if N == 0:
+        return (torch.zeros(B * H, D, Dv, dtype=torch.float32, device=x.device),
+                torch.zeros(B * H, D, dtype=torch.float32, device=x.device))
     blocks, num_warps, precision = block_config(D, Dv, x.dtype)
     c_tiles = cdiv(Dv, blocks["BLOCK_C"])
     splits = _num_splits(N, blocks["BLOCK_N"], B * H * c_tiles, x.device)
@@ -436,36 +478,68 @@ def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
         num_warps=num_warps, num_stages=2, **LAUNCH_OPTIONS)
 
 
-def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
-    B, H, Nq, _ = q.shape
-    out = new_output((B, H, Nq, v.shape[3]), q.dtype, q.device)
+def _plus(total, state, B, H):
+    """total (B*H, ...) fp32 plus a state tensor (B, H, ...), or total where there is none."""
+    return total if state is None else total + state.reshape(B * H, *state.shape[2:])
+
+
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
+    B, H, Nq, D = q.shape
+    Dv = v.shape[3]
+    out = new_output((B, H, Nq, Dv), q.dtype, q.device)
+    initial = None if initial_S is None else (initial_S, initial_z)
     if is_causal:
+        final = ((new_output((B, H, D, Dv), torch.float32, q.device), new_output((B, H, D), torch.float32, q.device))
+                 if output_final_state else (None, None))
         dummy = torch.empty(1, dtype=torch.float32, device=q.device)
-        _scan(FWD_OUT, q, k, v, q, key_padding_mask, dummy, dummy, out, 0, eps)
-    else:
-        s, z = _state(k, v, key_padding_mask, None, None)
+        _scan(FWD_OUT, q, k, v, q, key_padding_mask, dummy, dummy, out, 0, eps, initial, final)
+        return (out, *final)
+    s, z = _state(k, v, key_padding_mask, None, None)
+    s, z = _plus(s, initial_S, B, H), _plus(z, initial_z, B, H)
+    if Nq > 0:
         _apply(APPLY_OUT, q, q, None, s, z, out, out, z, z, eps)
-    return out
+    if not output_final_state:
+        return out, None, None
+    return out, s.view(B, H, D, Dv), z.view(B, H, D)
 
 
-def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
+def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
+                              grad_final_z):
     if dout.shape[-1] > 1 and dout.stride(-1) != 1:
         dout = dout.contiguous()
-    B, H, Nq, _ = q.shape
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
     dq = new_output(tuple(q.shape), q.dtype, q.device)
     dk = new_output(tuple(k.shape), k.dtype, k.device)
     dv = new_output(tuple(v.shape), v.dtype, v.device)
     den = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)
+    has_initial = initial_S is not None
+    initial = (initial_S, initial_z) if has_initial else None
     if is_causal:
+        # The reverse scans start from the final state's gradient (a zero stands in for a missing half).
+        if grad_final_S is None and grad_final_z is None:
+            reverse = None
+        else:
+            reverse = (grad_final_S if grad_final_S is not None else q.new_zeros(B, H, D, Dv, dtype=torch.float32),
+                       grad_final_z if grad_final_z is not None else q.new_zeros(B, H, D, dtype=torch.float32))
+        dS0 = new_output((B, H, D, Dv), torch.float32, q.device) if has_initial else None
+        dz0 = new_output((B, H, D), torch.float32, q.device) if has_initial else None
         n_ptiles = _scan(FWD_STATS, q, k, v, dout, key_padding_mask, None, None, None, 0, eps)
         p = torch.empty(n_ptiles, B * H, Nq, dtype=torch.float32, device=q.device)
-        _scan(FWD_STATS, q, k, v, dout, key_padding_mask, den, p, den, n_ptiles, eps)
-        for mode, grad in ((BWD_DQ, dq), (BWD_DK, dk), (BWD_DV, dv)):
-            _scan(mode, q, k, v, dout, key_padding_mask, den, p, grad, n_ptiles, eps)
-    else:
-        g = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)
-        s, z = _state(k, v, key_padding_mask, None, None)
+        _scan(FWD_STATS, q, k, v, dout, key_padding_mask, den, p, den, n_ptiles, eps, initial)
+        _scan(BWD_DQ, q, k, v, dout, key_padding_mask, den, p, dq, n_ptiles, eps, initial)
+        _scan(BWD_DK, q, k, v, dout, key_padding_mask, den, p, dk, n_ptiles, eps, reverse, (None, dz0))
+        _scan(BWD_DV, q, k, v, dout, key_padding_mask, den, p, dv, n_ptiles, eps, reverse, (dS0, None))
+        return dq, dk, dv, dS0, dz0
+    g = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)
+    s, z = _state(k, v, key_padding_mask, None, None)
+    s, z = _plus(s, initial_S, B, H), _plus(z, initial_z, B, H)
+    if Nq > 0:
         _apply(APPLY_DQ, q, dout, None, s, z, dq, dq, den, g, eps)
-        r_state, r = _state(q, dout, None, den, g)
+    r_state, r = _state(q, dout, None, den, g)
+    r_state, r = _plus(r_state, grad_final_S, B, H), _plus(r, grad_final_z, B, H)
+    if Nk > 0:
         _apply(APPLY_DKDV, k, v, key_padding_mask, r_state, r, dv, dk, den, g, eps)
-    return dq, dk, dv
+    if not has_initial:
+        return dq, dk, dv, None, None
+    return dq, dk, dv, r_state.view(B, H, D, Dv), r.view(B, H, D)

@@ -33,7 +33,7 @@ def _bench(*args, timeout=600):
 
 
 CPU_SUITES = ("attention", "layer_norm", "train_step", "target_cpu_attention", "target_cpu_layer_norm",
-              "target_cpu_linear_attention", "host", "models")
+              "target_cpu_linear_attention", "host", "models", "linear_state")
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +252,31 @@ def test_cpu_target_suites_write_their_results(harness):
                                                                                                   "non-causal"}
     # smoke runs never count as results
     assert summary.load_all(str(out)) == []
+
+
+def test_linear_state_suite_checks_and_times_each_variant(harness):
+    out, _, _ = harness
+    result = json.loads((out / "smoke-linear_state.json").read_text())
+    body = result["result"]
+    assert result["suite"] == "linear_state" and body["status"] == "ok"
+    assert list(body["checks"]) == ["no state", "state in, out", "two calls"]
+    assert all(c["ok"] and c["max_error"] <= c["error_bound"] for c in body["checks"].values())
+    for row in body["passes"].values():
+        assert row["no state"]["ms"] > 0
+        assert all(row[v]["ratio_to_no_state"] > 0 and isinstance(row[v]["met"], bool) for v in ("state in, out",
+                                                                                                 "two calls"))
+    assert (out / "smoke-linear_state.md").read_text().startswith("# linear_state:")
+
+
+def test_linear_state_check_catches_a_wrong_state(monkeypatch):
+    from benchmarks import linear_state
+
+    q, k, v, S0, z0 = linear_state._inputs(1, 2, 40, 8, 0)
+    rows = cases.check_rows(40)
+    assert linear_state.check("two calls", q, k, v, S0, z0, rows)[0]
+    original = linear_state._call
+    monkeypatch.setattr(linear_state, "_call", lambda *a: (lambda o, S, z: (o, S, z * 1.001))(*original(*a)))
+    assert not linear_state.check("state in, out", q, k, v, S0, z0, rows)[0]
 
 
 HOST_FUNCTIONS = ("scaled_dot_product_attention", "scaled_dot_product_attention causal",

@@ -120,7 +120,10 @@ def test_bert_logits_and_gradients(train, count_kernel_calls):
     ids, mask = padded_batch(101, 3, 13, pad_id=0)
     compare_logits_and_grads(ref, ours, dict(input_ids=ids, attention_mask=mask))
     assert len(count_kernel_calls) == 2
-    assert count_kernel_calls[0]["attn_mask"] is not None and not count_kernel_calls[0]["is_causal"]
+    # the padding reaches the kernel as its key padding mask (True = padded), no (B, 1, N, N) mask
+    first = count_kernel_calls[0]
+    assert first["attn_mask"] is None and not first["is_causal"]
+    assert torch.equal(first["key_padding_mask"], mask == 0)
 
 
 def test_bert_without_padding_passes_no_mask(count_kernel_calls):
@@ -141,12 +144,11 @@ def test_set_attn_implementation_on_an_existing_model():
                                ref(input_ids=ids, attention_mask=mask).last_hidden_state, **TOL)
 
 
-def test_unsupported_options_raise():
+def test_softcap_and_sinks_reach_the_kernel(count_kernel_calls):
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="Module: .*does not support softcap"):
-        tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
-    with pytest.raises(ValueError, match="does not support s_aux"):
-        tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))
+    sinks = torch.tensor([0.5, -1.0])
+    tf_hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0, s_aux=sinks)
+    assert count_kernel_calls[0]["softcap"] == 30.0 and count_kernel_calls[0]["sinks"] is sinks
 
 
 def test_importing_transformer_fast_does_not_import_transformers():
@@ -222,10 +224,10 @@ def test_a_sub_model_outside_the_interface_refuses_the_composite_model():
 
 def test_supports_model_follows_the_attention_interface():
     for served in ("BertModel", "BartForConditionalGeneration", "T5Model", "LlamaForCausalLM", "GPT2Model",
-                   "Gemma3ForCausalLM"):
+                   "Gemma3ForCausalLM", "Gemma2Model", "GptOssModel", "PegasusXModel"):
         assert tf_hf.supports_model(getattr(transformers, served)), served
     for refused in ("BloomModel", "ConvBertModel", "BigBirdModel", "CanineModel", "FalconModel", "GitModel",
-                    "SamVisionModel", "LongformerModel", "Gemma2Model", "PegasusXModel"):
+                    "SamVisionModel", "LongformerModel", "DeepseekV32Model"):
         assert not tf_hf.supports_model(getattr(transformers, refused)), refused
     assert tf_hf.supports_model(transformers.BertModel._from_config(bert_config()))  # instances too
 
@@ -244,14 +246,19 @@ def test_register_twice_and_under_another_name():
     assert not hasattr(checked.__wrapped__, "_transformer_fast_names")
 
 
-def test_models_that_refuse_sdpa_are_refused():
-    """Gemma 2 (soft-capping) and PEGASUS-X go through the interface but refuse sdpa, whose mask
-    conventions transformer_fast shares: PEGASUS-X's decoder self-attention says is_causal=False
-    and relies on an explicit causal mask, which sdpa_mask leaves out (None) without padding."""
-    gemma2 = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    with pytest.raises(ValueError, match="Gemma2Model does not support .*'sdpa'.*Use attn_implementation='eager'"):
-        transformers.Gemma2Model._from_config(gemma2, attn_implementation="transformer_fast")
+def test_models_without_sdpa_or_flex_attention_are_refused():
+    """BigBird supports neither: its masks and options are its own."""
+    config = transformers.BigBirdConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=32)
+    with pytest.raises(ValueError, match="BigBirdModel does not support .*neither 'sdpa' nor 'flex_attention'.*"
+                                         "Use attn_implementation='eager'"):
+        transformers.BigBirdModel._from_config(config, attn_implementation="transformer_fast")
+
+
+def test_models_served_through_their_flex_attention_support():
+    """Gemma 2 (soft-capping) and PEGASUS-X refuse sdpa but support flex attention, whose masks come
+    from the same mask functions: served, and compared with eager."""
     from hf_families import check_family
-    result = check_family("pegasus_x")
-    assert result.status == "refused" and result.detail.startswith("PegasusXModel: no sdpa support"), result
+    for family in ("gemma2", "pegasus_x"):
+        result = check_family(family)
+        assert result.status == "matches eager", result

@@ -1,6 +1,7 @@
 """attn_implementation="transformer_fast" over the model families transformers ships (tests/hf_families.py):
-each family served matches sdpa in outputs and gradients on a padded batch, each family it cannot
-serve (no sdpa, or attention outside AttentionInterface) is refused with a clear ValueError. A
+each family served matches sdpa (eager where it refuses sdpa) in outputs and gradients on a padded
+batch, each family it cannot serve (neither sdpa nor flex attention, attention outside
+AttentionInterface, options it does not implement) is refused with a clear ValueError. A
 representative subset runs here; the whole sweep is marked slow (docs/huggingface_families.md
 records its last result)."""
 import pytest
@@ -18,11 +19,15 @@ SERVED = [
     "deepseek_v3",
     # encoder-decoder; t5 with its relative position bias as a float mask
     "bart", "t5", "m2m_100",
+    # served through its flex-attention support, compared with eager: sinks and sliding windows
+    "gpt_oss",
 ]
 # Their attention does not go through AttentionInterface: served, they lost the causal mask (bloom,
 # xglm, gpt_neox_japanese), ignored padding (convbert, mpnet, ibert, big_bird, canine) or failed
 # with a KeyError (falcon, git).
-REFUSED = ["bloom", "xglm", "gpt_neox_japanese", "convbert", "mpnet", "ibert", "big_bird", "canine", "falcon", "git"]
+REFUSED = ["bloom", "xglm", "gpt_neox_japanese", "convbert", "mpnet", "ibert", "big_bird", "canine", "falcon", "git",
+           # folds its indexer's top-k selection into the mask only for eager and sdpa, else passes `indices`
+           "deepseek_v32"]
 
 
 @pytest.mark.parametrize("family", SERVED)

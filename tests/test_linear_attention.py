@@ -89,20 +89,36 @@ def test_matches_reference_low_precision(backend, dtype, case):
 
 @pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON))
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_cpp_kernel_in_float64_is_exact(is_causal):
+@pytest.mark.parametrize("with_state", [False, True])
+def test_cpp_kernel_in_float64_is_exact(is_causal, with_state):
     """The kernel-level C++ functions also take float64 (the public dispatch sends float64 to the
-    reference); in float64 any formula or indexing slip shows far above rounding."""
+    reference); in float64 any formula or indexing slip shows far above rounding. With a state:
+    an initial state in (a transposed, strided S), the final state out and its gradient in."""
     q, k, v = make_qkv(2, 2, 200, 200, 24, 40, dtype=torch.float64, layout="bnhd")
     mask = random_padding(2, 200, fully_padded_row=1)
     dout = torch.randn(2, 2, 200, 40, dtype=torch.float64)
+    state = (None,) * 4
+    if with_state:
+        S0 = torch.rand(2, 2, 40, 24, dtype=torch.float64).transpose(-2, -1) * 5
+        z0 = torch.rand(2, 2, 24, 3, dtype=torch.float64)[..., 1] * 5
+        state = (S0, z0, torch.randn(2, 2, 24, 40, dtype=torch.float64), torch.randn(2, 2, 24, dtype=torch.float64))
     fwd = _backends.kernel("linear_attention_forward", "cpp")
     bwd = _backends.kernel("linear_attention_backward", "cpp")
     ref_fwd = _backends.kernel("linear_attention_forward", "reference")
     ref_bwd = _backends.kernel("linear_attention_backward", "reference")
-    torch.testing.assert_close(fwd(q, k, v, mask, is_causal, 1e-6), ref_fwd(q, k, v, mask, is_causal, 1e-6),
-                               rtol=1e-10, atol=1e-12)
-    for got, want in zip(bwd(dout, q, k, v, mask, is_causal, 1e-6), ref_bwd(dout, q, k, v, mask, is_causal, 1e-6)):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    got = fwd(q, k, v, mask, is_causal, 1e-6, *state[:2], with_state)
+    want = ref_fwd(q, k, v, mask, is_causal, 1e-6, *state[:2], with_state)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g.numel() == 0
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    for g, w in zip(bwd(dout, q, k, v, mask, is_causal, 1e-6, *state),
+                    ref_bwd(dout, q, k, v, mask, is_causal, 1e-6, *state)):
+        if w is None:
+            assert g.numel() == 0
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON))
@@ -187,16 +203,17 @@ def test_opcheck():
     v_wide = torch.randn(2, 2, 9, 12, requires_grad=True)
     pad = torch.tensor([[False] * 7, [False, True, False, True, True, False, True]])
     ops = torch.ops.transformer_fast
-    torch.library.opcheck(ops.linear_attention_forward, (q, k, v, pad, True, 1e-6))
+    torch.library.opcheck(ops.linear_attention_forward, (q, k, v, pad, True, 1e-6, None, None, False))
     torch.library.opcheck(ops.linear_attention_forward, (q, k[:, :, :5].detach().requires_grad_(), v_wide[:, :, :5],
-                                                         None, False, 1e-3))
+                                                         None, False, 1e-3, None, None, False))
     dout = torch.randn(2, 2, 7, 8)
-    torch.library.opcheck(ops.linear_attention_backward, (dout, q.detach(), k.detach(), v.detach(), pad, False, 1e-6))
+    torch.library.opcheck(ops.linear_attention_backward, (dout, q.detach(), k.detach(), v.detach(), pad, False, 1e-6,
+                                                          None, None, None, None))
     q_t, k_t, v_t = make_qkv(2, 2, 7, 7, 8, 8, layout="bnhd")  # transposed views: outputs are still contiguous
     torch.library.opcheck(ops.linear_attention_forward, (q_t.requires_grad_(), k_t.requires_grad_(),
-                                                         v_t.requires_grad_(), pad, True, 1e-6))
+                                                         v_t.requires_grad_(), pad, True, 1e-6, None, None, False))
     torch.library.opcheck(ops.linear_attention_backward, (dout, q_t.detach(), k_t.detach(), v_t.detach(), None, True,
-                                                          1e-6))
+                                                          1e-6, None, None, None, None))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,8 +254,12 @@ def test_cpp_kernel_checks_its_arguments():
     fwd = _backends.kernel("linear_attention_forward", "cpp")
     q, k, v = make_qkv(1, 1, 4, 4, 8, 8)
     with pytest.raises(RuntimeError, match="key_padding_mask must be a bool"):
-        fwd(q, k, v, torch.zeros(1, 4), False, 1e-6)
+        fwd(q, k, v, torch.zeros(1, 4), False, 1e-6, None, None, False)
     with pytest.raises(RuntimeError, match="causal needs equal query and key lengths"):
-        fwd(q, k[:, :, :2], v[:, :, :2], None, True, 1e-6)
+        fwd(q, k[:, :, :2], v[:, :, :2], None, True, 1e-6, None, None, False)
     with pytest.raises(RuntimeError, match="inconsistent shapes"):
-        fwd(q, k, v[:, :, :3], None, False, 1e-6)
+        fwd(q, k, v[:, :, :3], None, False, 1e-6, None, None, False)
+    with pytest.raises(RuntimeError, match="initial_S and initial_z come together"):
+        fwd(q, k, v, None, False, 1e-6, torch.zeros(1, 1, 8, 8), None, False)
+    with pytest.raises(RuntimeError, match=r"initial_z must be a Float CPU tensor of shape \[1, 1, 8\]"):
+        fwd(q, k, v, None, False, 1e-6, torch.zeros(1, 1, 8, 8), torch.zeros(1, 1, 8, dtype=torch.float64), False)

@@ -61,16 +61,29 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     return y.to(h.dtype), (h if residual is not None else h.new_empty(0)), empty, empty
 
 
-def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S=None, initial_z=None,
+                             output_final_state=False):
+    """(out, S, z): the final state (S, z) is None unless output_final_state."""
     c = _compute_dtype(q)
-    phi_q, phi_k = F.elu(q.to(c)) + 1, F.elu(k.to(c)) + 1
+    phi_q, phi_k, vc = F.elu(q.to(c)) + 1, F.elu(k.to(c)) + 1, v.to(c)
+    if key_padding_mask is not None:  # padded keys are out of every sum
+        padded = key_padding_mask[:, None, :, None]
+        phi_k, vc = phi_k.masked_fill(padded, 0.0), vc.masked_fill(padded, 0.0)
     weights = torch.matmul(phi_q, phi_k.transpose(-2, -1))
     if is_causal:
         weights = weights.tril()
-    if key_padding_mask is not None:
-        weights = weights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    out = torch.matmul(weights, v.to(c)) / (weights.sum(dim=-1, keepdim=True) + eps)
-    return out.to(q.dtype)
+    numerator = torch.matmul(weights, vc)
+    denominator = weights.sum(dim=-1, keepdim=True)
+    if initial_S is not None:
+        numerator = numerator + torch.matmul(phi_q, initial_S.to(c))
+        denominator = denominator + torch.matmul(phi_q, initial_z.to(c)[..., None])
+    out = (numerator / (denominator + eps)).to(q.dtype)
+    if not output_final_state:
+        return out, None, None
+    S, z = torch.matmul(phi_k.transpose(-2, -1), vc), phi_k.sum(dim=-2)
+    if initial_S is not None:
+        S, z = S + initial_S.to(c), z + initial_z.to(c)
+    return out, S, z
 
 
 def backward(composite, args, differentiable, grads):
@@ -124,10 +137,17 @@ def layer_norm_backward(dy, h, weight, bias, eps, is_rms):
     return _or_zeros(dx, h), _or_zeros(dweight, weight), _or_zeros(dbias, bias)
 
 
-def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
-    args = (q, k, v, key_padding_mask, is_causal, eps)
-    grads = backward(linear_attention_forward, args, (0, 1, 2), (dout,))
-    return tuple(_or_zeros(g, a) for g, a in zip(grads[:3], args[:3]))
+def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
+                              grad_final_z):
+    """(dq, dk, dv, d initial_S, d initial_z); the last two empty without an initial state."""
+    final_state_grad = grad_final_S is not None or grad_final_z is not None
+    args = (q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, final_state_grad)
+    grads = backward(linear_attention_forward, args, (0, 1, 2, 6, 7), (dout, grad_final_S, grad_final_z))
+    dq, dk, dv = (_or_zeros(g, a) for g, a in zip(grads[:3], args[:3]))
+    if initial_S is None:
+        empty = q.new_empty(0, dtype=_compute_dtype(q))
+        return dq, dk, dv, empty, empty.clone()
+    return dq, dk, dv, _or_zeros(grads[6], initial_S), _or_zeros(grads[7], initial_z)
 
 
 def register():

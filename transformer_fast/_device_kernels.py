@@ -57,38 +57,71 @@ def _stats_dtype(x):
 
 def _layer_norm_forward(kernel):
     def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
-        if x.shape[0] == 0:
+        shape = x.shape
+        if x.numel() == 0:
             stats = x.new_empty(0, dtype=_stats_dtype(x))
-            return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
-        y, h, mean, rstd = kernel(x, residual, weight, bias, eps, is_rms)
-        return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
+            return x.new_empty(shape), (x.new_empty(shape) if residual is not None else _empty(x)), stats, stats
+        rows = x.reshape(-1, shape[-1])
+        y, h, mean, rstd = kernel(rows, None if residual is None else residual.reshape(-1, shape[-1]), weight, bias,
+                                  eps, is_rms)
+        return (y.view(shape), _empty(x) if h is None else h.view(shape), _empty(rstd) if mean is None else mean,
+                rstd)
     return layer_norm_forward
 
 
 def _layer_norm_backward(kernel):
     def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
-        if h.shape[0] == 0:
+        if h.numel() == 0:
             return (torch.zeros_like(h), torch.zeros_like(weight) if weight is not None else _empty(h),
                     torch.zeros_like(bias) if bias is not None else _empty(h))
-        dx, dweight, dbias = kernel(dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
-        return dx, (_empty(h) if dweight is None else dweight), (_empty(h) if dbias is None else dbias)
+        width = h.shape[-1]
+        dx, dweight, dbias = kernel(dy.reshape(-1, width), None if dh is None else dh.reshape(-1, width),
+                                    h.reshape(-1, width), weight, bias, None if is_rms else mean, rstd, eps, is_rms)
+        return (dx.view(h.shape), _empty(h) if dweight is None else dweight,
+                _empty(h) if dbias is None else dbias)
     return layer_norm_backward
 
 
+def _empty_state(q):
+    """An absent state result: an empty tensor in the state's dtype."""
+    return q.new_empty(0, dtype=_stats_dtype(q))
+
+
+def _initial_or_zeros(initial, shape, ref):
+    """A contiguous copy of the initial state's tensor, or zeros without one (state dtype)."""
+    if initial is not None:
+        return initial.clone(memory_format=torch.contiguous_format)
+    return ref.new_zeros(shape, dtype=_stats_dtype(ref))
+
+
 def _linear_attention_forward(kernel):
-    def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
-        B, H, Nq, _ = q.shape
-        if Nq == 0 or k.shape[2] == 0:  # empty sums: out = 0 / eps = 0
-            return q.new_zeros(B, H, Nq, v.shape[-1])
-        return kernel(q, k, v, key_padding_mask, is_causal, eps)
+    def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
+        B, H, Nq, D = q.shape
+        Dv = v.shape[-1]
+        if Nq == 0 and k.shape[2] == 0:  # nothing to answer, nothing to add: the state passes through
+            if not output_final_state:
+                return q.new_zeros(B, H, 0, Dv), _empty_state(q), _empty_state(q)
+            return (q.new_zeros(B, H, 0, Dv), _initial_or_zeros(initial_S, (B, H, D, Dv), q),
+                    _initial_or_zeros(initial_z, (B, H, D), q))
+        out, S, z = kernel(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state)
+        return out, (_empty_state(q) if S is None else S), (_empty_state(q) if z is None else z)
     return linear_attention_forward
 
 
 def _linear_attention_backward(kernel):
-    def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
-        if q.shape[2] == 0 or k.shape[2] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return kernel(dout, q, k, v, key_padding_mask, is_causal, eps)
+    def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
+                                  grad_final_z):
+        B, H, _, D = q.shape
+        Dv = v.shape[-1]
+        if q.shape[2] == 0 and k.shape[2] == 0:  # the initial state's gradient is the final state's
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            if initial_S is None:
+                return dq, dk, dv, _empty_state(q), _empty_state(q)
+            return (dq, dk, dv, _initial_or_zeros(grad_final_S, (B, H, D, Dv), q),
+                    _initial_or_zeros(grad_final_z, (B, H, D), q))
+        dq, dk, dv, dS0, dz0 = kernel(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
+                                      grad_final_S, grad_final_z)
+        return dq, dk, dv, (_empty_state(q) if dS0 is None else dS0), (_empty_state(q) if dz0 is None else dz0)
     return linear_attention_backward
 
 

@@ -106,13 +106,13 @@ class LayerNorm(torch.autograd.Function):
     def backward(ctx, dy, dh):
         h, weight, bias, mean, rstd = ctx.saved_tensors
         backend, eps, is_rms, has_residual = ctx.args
-        dy = dy if dy.shape[1] <= 1 or dy.stride(1) == 1 else dy.contiguous()
+        dy = dy if dy.shape[-1] <= 1 or dy.stride(-1) == 1 else dy.contiguous()
         if torch.is_grad_enabled():  # create_graph=True
             dx, dweight, dbias = _composite.layer_norm_backward(dy, h, weight, bias, eps, is_rms)
             if has_residual and dh is not None:
                 dx = dx + dh
         else:
-            if has_residual and dh is not None and dh.shape[1] > 1 and dh.stride(1) != 1:
+            if has_residual and dh is not None and dh.shape[-1] > 1 and dh.stride(-1) != 1:
                 dh = dh.contiguous()
             with autocast_off():
                 dx, dweight, dbias = _kernel("layer_norm_backward", backend, h)(
@@ -123,24 +123,33 @@ class LayerNorm(torch.autograd.Function):
 
 class LinearAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, backend, q, k, v, key_padding_mask, is_causal, eps):
+    def forward(ctx, backend, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
         with autocast_off():
-            out = _kernel("linear_attention_forward", backend, q)(q, k, v, key_padding_mask, is_causal, eps)
-        ctx.save_for_backward(q, k, v, key_padding_mask)  # the backward recomputes the state
+            out, S, z = _kernel("linear_attention_forward", backend, q)(q, k, v, key_padding_mask, is_causal, eps,
+                                                                        initial_S, initial_z, output_final_state)
+        ctx.save_for_backward(q, k, v, key_padding_mask, initial_S, initial_z)  # the backward recomputes the state
         ctx.args = (backend, is_causal, eps)
-        return out
+        if not output_final_state:
+            ctx.mark_non_differentiable(S, z)
+        ctx.set_materialize_grads(False)  # no zero tensors for outputs that get no gradient
+        return out, S, z
 
     @staticmethod
-    def backward(ctx, dout):
-        q, k, v, key_padding_mask = ctx.saved_tensors
+    def backward(ctx, dout, grad_final_S, grad_final_z):
+        q, k, v, key_padding_mask, initial_S, initial_z = ctx.saved_tensors
         backend, is_causal, eps = ctx.args
+        if dout is None:  # a loss on the final state alone
+            dout = q.new_zeros(*q.shape[:3], v.shape[3])
         if torch.is_grad_enabled():  # create_graph=True
-            dq, dk, dv = _composite.linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps)
+            dq, dk, dv, dS0, dz0 = _composite.linear_attention_backward(
+                dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S, grad_final_z)
         else:
             with autocast_off():
-                dq, dk, dv = _kernel("linear_attention_backward", backend, q)(dout, q, k, v, key_padding_mask,
-                                                                              is_causal, eps)
-        return None, dq, dk, dv, None, None, None
+                dq, dk, dv, dS0, dz0 = _kernel("linear_attention_backward", backend, q)(
+                    dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S, grad_final_z)
+        has_initial = initial_S is not None
+        return (None, dq, dk, dv, None, None, None, dS0 if has_initial else None, dz0 if has_initial else None,
+                None)
 
 
 def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, extras=_NO_EXTRAS):
@@ -157,7 +166,8 @@ def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, d
 
 
 def layer_norm(backend, x, residual, weight, bias, eps, is_rms):
-    """(y, h) on checked rows (layer_norm_args); backend None: the composite form."""
+    """(y, h) on checked arguments (layer_norm_args: the normalised dims as the last); backend None: the
+    composite form."""
     if backend is None:
         with autocast_off():
             y, h, _, _ = _composite.layer_norm_forward(x, residual, weight, bias, eps, is_rms)
@@ -165,9 +175,12 @@ def layer_norm(backend, x, residual, weight, bias, eps, is_rms):
     return LayerNorm.apply(backend, x, residual, weight, bias, eps, is_rms)
 
 
-def linear_attention(backend, q, k, v, key_padding_mask, is_causal, eps):
-    """Linear attention on checked arguments (linear_attention_args); backend None: the composite form."""
+def linear_attention(backend, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
+    """(out, final S, final z) on checked arguments (linear_attention_args); backend None: the
+    composite form (whose final state is None unless asked for)."""
     if backend is None:
         with autocast_off():
-            return _composite.linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps)
-    return LinearAttention.apply(backend, q, k, v, key_padding_mask, is_causal, eps)
+            return _composite.linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S,
+                                                       initial_z, output_final_state)
+    return LinearAttention.apply(backend, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
+                                 output_final_state)

@@ -225,6 +225,11 @@ def _elu_feature_map(x):
     return F.elu(x) + 1
 
 
+def _elu_derivative(x):
+    """d phi(x)/dx = elu'(x): 1 for x > 0, exp(x) otherwise."""
+    return torch.where(x > 0, 1.0, torch.exp(x))
+
+
 def _linear_attention_weights(q, k, key_padding_mask, is_causal):
     """phi(q_i).phi(k_j), zeroed where key j is padded or (causal) j > i."""
     weights = _elu_feature_map(q) @ _elu_feature_map(k).transpose(-2, -1)
@@ -235,26 +240,79 @@ def _linear_attention_weights(q, k, key_padding_mask, is_causal):
     return weights
 
 
-def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps):
-    c = _compute_dtype(q)
-    weights = _linear_attention_weights(q.to(c), k.to(c), key_padding_mask, is_causal)
-    return ((weights @ v.to(c)) / (weights.sum(-1, keepdim=True) + eps)).to(q.dtype)
+def _unpadded(x, key_padding_mask):
+    """x (B, H, Nk, .) with the rows of padded keys set to 0 (whatever they held)."""
+    return x if key_padding_mask is None else x.masked_fill(key_padding_mask[:, None, :, None], 0.0)
 
 
-def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps):
+def _linear_attention_terms(q, k, v, key_padding_mask, is_causal, initial_S, initial_z):
+    """(weights, numerator, denominator without eps) in the compute dtype: the keys' sums plus the
+    initial state's terms phi(q) S0 and phi(q) . z0."""
+    weights = _linear_attention_weights(q, k, key_padding_mask, is_causal)
+    numerator = weights @ _unpadded(v, key_padding_mask)
+    denominator = weights.sum(-1, keepdim=True)
+    if initial_S is not None:
+        phi_q = _elu_feature_map(q)
+        numerator = numerator + phi_q @ initial_S.to(q.dtype)
+        denominator = denominator + phi_q @ initial_z.to(q.dtype)[..., None]
+    return weights, numerator, denominator
+
+
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
     c = _compute_dtype(q)
-    qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
-    weights = _linear_attention_weights(qc, kc, key_padding_mask, is_causal)
-    denominator = weights.sum(-1, keepdim=True) + eps
-    out = (weights @ vc) / denominator
-    dnumerator = doutc / denominator
-    dweights = dnumerator @ vc.transpose(-2, -1) - (doutc * out).sum(-1, keepdim=True) / denominator
+    qc, kc, vc = q.to(c), k.to(c), v.to(c)
+    _, numerator, denominator = _linear_attention_terms(qc, kc, vc, key_padding_mask, is_causal, initial_S,
+                                                        initial_z)
+    out = (numerator / (denominator + eps)).to(q.dtype)
+    if not output_final_state:
+        return out, None, None
+    phi_k = _unpadded(_elu_feature_map(kc), key_padding_mask)
+    S = phi_k.transpose(-2, -1) @ _unpadded(vc, key_padding_mask)
+    z = phi_k.sum(-2)
+    if initial_S is not None:
+        S, z = S + initial_S, z + initial_z
+    return out, S, z
+
+
+def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
+                              grad_final_z):
+    """With W_ij = phi(q_i).phi(k_j) (allowed pairs), out_i = n_i / d_i, G_i = dout_i / d_i and
+    g_i = -(dout_i . out_i) / d_i: dW_ij = G_i . v_j + g_i; d phi(q_i) = sum_j dW_ij phi(k_j) +
+    S0 G_i + g_i z0; d phi(k_j) = sum_i dW_ij phi(q_i) + dS_F v_j + dz_F; dv_j = sum_i W_ij G_i +
+    phi(k_j) dS_F (unpadded j); dS0 = sum_i phi(q_i)^T G_i + dS_F, dz0 = sum_i g_i phi(q_i) + dz_F."""
+    c = _compute_dtype(q)
+    qc, kc, vc, doutc = q.to(c), k.to(c), _unpadded(v.to(c), key_padding_mask), dout.to(c)
+    weights, numerator, denominator = _linear_attention_terms(qc, kc, vc, key_padding_mask, is_causal, initial_S,
+                                                              initial_z)
+    denominator = denominator + eps
+    out = numerator / denominator
+    G = doutc / denominator
+    g = -(doutc * out).sum(-1, keepdim=True) / denominator
+    dweights = G @ vc.transpose(-2, -1) + g
     if is_causal:
         dweights = dweights.tril()
     if key_padding_mask is not None:
         dweights = dweights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    dv = weights.transpose(-2, -1) @ dnumerator
-    # d phi(x)/dx = elu'(x): 1 for x > 0, exp(x) otherwise.
-    dq = (dweights @ _elu_feature_map(kc)) * torch.where(qc > 0, 1.0, torch.exp(qc))
-    dk = (dweights.transpose(-2, -1) @ _elu_feature_map(qc)) * torch.where(kc > 0, 1.0, torch.exp(kc))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    phi_q, phi_k = _elu_feature_map(qc), _unpadded(_elu_feature_map(kc), key_padding_mask)
+    dphi_q = dweights @ phi_k
+    dphi_k = dweights.transpose(-2, -1) @ phi_q
+    dv = weights.transpose(-2, -1) @ G
+    if initial_S is not None:
+        dphi_q = dphi_q + G @ initial_S.to(c).transpose(-2, -1) + g * initial_z.to(c)[..., None, :]
+    if grad_final_S is not None:
+        dphi_k = dphi_k + vc @ grad_final_S.to(c).transpose(-2, -1)
+        dv = dv + phi_k @ grad_final_S.to(c)
+    if grad_final_z is not None:
+        dphi_k = dphi_k + grad_final_z.to(c)[..., None, :]
+    dq = dphi_q * _elu_derivative(qc)
+    dk = _unpadded(dphi_k * _elu_derivative(kc), key_padding_mask)
+    dv = _unpadded(dv, key_padding_mask)
+    dS0 = dz0 = None
+    if initial_S is not None:
+        dS0 = phi_q.transpose(-2, -1) @ G
+        dz0 = (g * phi_q).sum(-2)
+        if grad_final_S is not None:
+            dS0 = dS0 + grad_final_S.to(c)
+        if grad_final_z is not None:
+            dz0 = dz0 + grad_final_z.to(c)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dz0

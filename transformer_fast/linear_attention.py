@@ -3,70 +3,120 @@ phi(x) = elu(x) + 1: the public functions, the fake kernels of its ops, and the 
 
 The kernels (``kernels/linear_attention.py``, ``csrc/linear_attention.cpp``) share one signature:
 
-    linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps) -> out
-    linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps) -> (dq, dk, dv)
+    linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
+                             output_final_state) -> (out, S, z)
+    linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
+                              grad_final_S, grad_final_z) -> (dq, dk, dv, d initial_S, d initial_z)
 
 q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv), any strides with a unit last-dim stride
 (Nq == Nk when causal); key_padding_mask None or (B, Nk) bool (True = padded, left out of the
-sums). out is (B, H, Nq, Dv) contiguous in q's dtype; the state S, z is kept in float32.
+sums). out is (B, H, Nq, Dv) contiguous in q's dtype. The state S (B, H, D, Dv), z (B, H, D) is
+kept in float32 (float64 for float64 inputs): initial_S/initial_z (both or neither, any strides)
+are the sums of keys that came before the call, which every output row's sums start from; the
+final state (contiguous; None or empty unless output_final_state) is the initial one plus every
+unpadded key. grad_final_S/grad_final_z (each None where no gradient reaches it) are the
+gradients of the final state; the initial state's gradients are None or empty without an initial state.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from . import _backends, _build, _explicit
 from ._backends import KERNEL_DTYPES
 from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
-from ._validation import check_same, check_tensor
+from ._validation import check_tensor
 
 _C, _ = _build.load()
 
 
+def _state_dtype(q):
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 @torch.library.register_fake("transformer_fast::linear_attention_forward")
-def _(q, k, v, key_padding_mask, is_causal, eps):
-    B, H, Nq, _ = q.shape
-    return q.new_empty(B, H, Nq, v.shape[-1])
+def _(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
+    B, H, Nq, D = q.shape
+    Dv = v.shape[-1]
+    dtype = _state_dtype(q)
+    if output_final_state:
+        S, z = q.new_empty(B, H, D, Dv, dtype=dtype), q.new_empty(B, H, D, dtype=dtype)
+    else:
+        S, z = q.new_empty(0, dtype=dtype), q.new_empty(0, dtype=dtype)
+    return q.new_empty(B, H, Nq, Dv), S, z
 
 
 @torch.library.register_fake("transformer_fast::linear_attention_backward")
-def _(dout, q, k, v, key_padding_mask, is_causal, eps):
+def _(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S, grad_final_z):
     # The kernels return contiguous gradients (whatever the inputs' strides).
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dtype = _state_dtype(q)
+    has_initial = initial_S is not None
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(initial_S.shape if has_initial else 0, dtype=dtype),
+            q.new_empty(initial_z.shape if has_initial else 0, dtype=dtype))
 
 
-def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, backend="auto"):
+class LinearAttentionState(NamedTuple):
+    """The state of linear attention: S = sum phi(k)^T v (B, H, D, Dv) and z = sum phi(k) (B, H, D),
+    float32 (float64 for float64 inputs), summed over the unpadded keys seen so far."""
+    S: torch.Tensor
+    z: torch.Tensor
+
+
+def _state_pair(name, state):
+    """(S, z) of a LinearAttentionState (or any (S, z) pair), (None, None) for None."""
+    if state is None:
+        return None, None
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{name} must be a LinearAttentionState (S, z) or None, got {type(state).__name__}")
+    return state
+
+
+def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=None, eps=1e-6, initial_state=None,
+                     output_final_state=False, backend="auto"):
     """Linear attention with phi(x) = elu(x) + 1, computed in O(N) time and memory:
 
-        out_i = phi(q_i) S / (phi(q_i) . z + eps),  S = sum_j phi(k_j)^T v_j,  z = sum_j phi(k_j)
+        out_i = phi(q_i) S / (phi(q_i) . z + eps),  S = S0 + sum_j phi(k_j)^T v_j,  z = z0 + sum_j phi(k_j)
 
     with the sums over unpadded keys (``key_padding_mask`` (B, Nk) bool, True = padded), and over
     j <= i when ``is_causal`` (which needs equal query and key lengths). Layout (B, H, N, D).
     Under ``torch.autocast`` the inputs are cast to the autocast dtype, as for softmax attention.
+
+    ``initial_state`` (a ``LinearAttentionState`` (S0, z0), float32, float64 for float64 inputs):
+    the sums of keys that came before this call (0 without it), so a causal prefill can be split
+    into calls that carry the state, and a non-causal call with no keys queries a stored memory.
+    ``output_final_state=True`` returns ``(out, LinearAttentionState)``, the state after the last
+    unpadded key. Gradients flow into the initial state and from the final state.
     """
+    S0, z0 = _state_pair("initial_state", initial_state)
     if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
-            and type(key_padding_mask) in TENSOR_OR_NONE and query.dtype in KERNEL_DTYPES and direct()):
-        return _C.linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps)
+            and type(key_padding_mask) in TENSOR_OR_NONE and type(S0) in TENSOR_OR_NONE
+            and type(z0) in TENSOR_OR_NONE and query.dtype in KERNEL_DTYPES and direct()):
+        out, S, z = _C.linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps, S0, z0,
+                                        bool(output_final_state))
+    else:
+        out, S, z = _linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps, S0, z0,
+                                      bool(output_final_state), backend)
+    return (out, LinearAttentionState(S, z)) if output_final_state else out
+
+
+def _linear_attention(query, key, value, is_causal, key_padding_mask, eps, S0, z0, output_final_state, backend):
+    """Every call but the eager one on plain tensors of a kernel dtype (see linear_attention)."""
     check_tensors(query=query, key=key, value=value)
+    for name, t in (("initial_state.S", S0), ("initial_state.z", z0)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype,
                                                                    "linear_attention")
     if explicit is None and not transformed:
-        return torch.ops.transformer_fast.linear_attention(query, key, value, bool(is_causal), key_padding_mask,
-                                                           float(eps))
-    q, k, v, key_padding_mask = _C.linear_attention_args(query, key, value, bool(is_causal), key_padding_mask,
-                                                         float(eps))
-    return _explicit.linear_attention(explicit, q, k, v, key_padding_mask, bool(is_causal), float(eps))
-
-
-class LinearAttentionState(NamedTuple):
-    """The recurrent state of causal linear attention: S = sum phi(k)^T v (B, H, D, Dv) and
-    z = sum phi(k) (B, H, D), float32 (float64 for float64 inputs), summed over the tokens seen
-    so far."""
-    S: torch.Tensor
-    z: torch.Tensor
+        return torch.ops.transformer_fast.linear_attention(query, key, value, is_causal, key_padding_mask,
+                                                           float(eps), S0, z0, output_final_state)
+    q, k, v, key_padding_mask, S0, z0 = _C.linear_attention_args(query, key, value, is_causal, key_padding_mask,
+                                                                 float(eps), S0, z0)
+    return _explicit.linear_attention(explicit, q, k, v, key_padding_mask, is_causal, float(eps), S0, z0,
+                                      output_final_state)
 
 
 def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
@@ -74,33 +124,29 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
 
     ``query``/``key`` (B, H, D) and ``value`` (B, H, Dv) are the new token's; ``state`` is the
     previous ``LinearAttentionState`` (None starts from zeros). Returns ``(out (B, H, Dv), state)``.
-    Running it over a sequence equals ``linear_attention(..., is_causal=True)``.
+    It is ``linear_attention`` on one token (causal, ``state`` in, the final state out), so it runs
+    on the same kernels, and running it over a sequence equals ``linear_attention(..., is_causal=True)``.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, ndim=3)
-    device = query.device.type
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):  # as linear_attention is cast
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = (t.to(dtype) if t.dtype in KERNEL_DTYPES else t for t in (query, key, value))
-    check_same("key", key, "query", query)
-    check_same("value", value, "query", query)
+        check_tensor(name, t, ndim=3, floating=False)  # the op checks the rest, dtypes included
     B, H, D = query.shape
-    if tuple(key.shape) != (B, H, D):
+    if key.shape != query.shape:
         raise ValueError(f"key must have the query's shape (B, H, D) = {(B, H, D)}, got {tuple(key.shape)}")
-    if tuple(value.shape[:2]) != (B, H):
+    if value.shape[:2] != query.shape[:2]:
         raise ValueError(f"value must have shape (B, H, Dv) with (B, H) = {(B, H)}, got {tuple(value.shape)}")
-    Dv = value.shape[2]
-    c = torch.promote_types(query.dtype, torch.float32)
-    if state is None:
-        state = LinearAttentionState(query.new_zeros(B, H, D, Dv, dtype=c), query.new_zeros(B, H, D, dtype=c))
-    elif tuple(state.S.shape) != (B, H, D, Dv) or tuple(state.z.shape) != (B, H, D):
-        raise ValueError(f"state must hold S of shape {(B, H, D, Dv)} and z of shape {(B, H, D)}, got "
-                         f"{tuple(state.S.shape)} and {tuple(state.z.shape)}")
-    phi_q = F.elu(query.to(c)) + 1
-    phi_k = F.elu(key.to(c)) + 1
-    S = state.S + phi_k[..., :, None] * value.to(c)[..., None, :]
-    z = state.z + phi_k
-    with _explicit.autocast_off():  # the state's precision, as in the kernels
-        numerator = torch.einsum("bhd,bhde->bhe", phi_q, S)
-    denominator = (phi_q * z).sum(-1, keepdim=True) + eps
-    return (numerator / denominator).to(query.dtype), LinearAttentionState(S, z)
+    if state is not None:
+        S0, z0 = _state_pair("state", state)
+        for name, t in (("state.S", S0), ("state.z", z0)):
+            check_tensor(name, t, floating=False)
+        Dv = value.shape[2]
+        if S0.shape != (B, H, D, Dv) or z0.shape != (B, H, D):
+            raise ValueError(f"state must hold S of shape {(B, H, D, Dv)} and z of shape {(B, H, D)}, got "
+                             f"{tuple(S0.shape)} and {tuple(z0.shape)}")
+    try:
+        out, final = linear_attention(query.unsqueeze(2), key.unsqueeze(2), value.unsqueeze(2), is_causal=True,
+                                      eps=eps, initial_state=state, output_final_state=True)
+    except (TypeError, ValueError) as exc:  # the op names the state by its own argument
+        if "initial_state" not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace("initial_state", "state")) from None
+    return out.squeeze(2), final

@@ -7,10 +7,12 @@ cross-attention over the encoder output) and projects to the vocabulary. ``atten
 swaps every attention for linear attention (``transformer_fast.linear_attention``).
 
 ``generate`` decodes greedily and incrementally: the source is encoded once, every decoder
-layer's cross-attention keys/values (softmax) or key/value sums (linear) are computed from the
-memory once, and each new token only runs its own row through the decoder, appending its key and
-value to the self-attention cache (softmax, O(N) per token) or folding them into the recurrent
-state with ``linear_attention_step`` (linear, O(1) per token).
+layer's cross-attention keys/values (softmax) or key/value sums (linear: the final state of
+``linear_attention(..., output_final_state=True)`` over the memory) are computed from the memory
+once, and each new token only runs its own row through the decoder, appending its key and value
+to the self-attention cache (softmax, O(N) per token) or folding them into the recurrent state
+with ``linear_attention_step`` (linear, O(1) per token); linear cross-attention then queries the
+memory's state (``linear_attention`` with that state as the initial state and no keys).
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import scaled_dot_product_attention
-from .linear_attention import LinearAttentionState, linear_attention_step
-from .reference import elu_feature_map
+from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step
 from .modules import (LayerNorm, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
                       TransformerEncoderLayer)
 
@@ -201,12 +202,11 @@ class Seq2SeqTransformer(nn.Module):
             v = _split_heads(F.linear(memory, w_v, b_v), self.nhead)
             if self.attention == "softmax":
                 cache.layers.append(LayerCache(cross_k=k, cross_v=v))
-            else:
-                phi_k = elu_feature_map(k.float())
-                if memory_key_padding_mask is not None:
-                    phi_k = phi_k.masked_fill(memory_key_padding_mask[:, None, :, None], 0.0)
-                S = torch.einsum("bhsd,bhse->bhde", phi_k, v.float())
-                cache.layers.append(LayerCache(cross_state=LinearAttentionState(S, phi_k.sum(2))))
+            else:  # the memory's sums, as the final state of a call that queries nothing
+                no_query = k.new_empty(*k.shape[:2], 0, k.shape[3])
+                _, state = linear_attention(no_query, k, v, key_padding_mask=memory_key_padding_mask,
+                                            eps=LINEAR_ATTENTION_EPS, output_final_state=True)
+                cache.layers.append(LayerCache(cross_state=state))
         return cache
 
     def _self_attention_step(self, attn, x, layer_cache):
@@ -232,11 +232,10 @@ class Seq2SeqTransformer(nn.Module):
         if self.attention == "softmax":
             out = scaled_dot_product_attention(q, layer_cache.cross_k, layer_cache.cross_v,
                                                key_padding_mask=memory_key_padding_mask)
-        else:
-            S, z = layer_cache.cross_state
-            phi_q = elu_feature_map(q.float())
-            out = (phi_q @ S) / ((phi_q @ z[..., None]) + LINEAR_ATTENTION_EPS)
-            out = out.to(q.dtype)
+        else:  # the memory's state queried: no keys of this call's own
+            no_key = q.new_empty(*q.shape[:2], 0, q.shape[3])
+            out = linear_attention(q, no_key, no_key, eps=LINEAR_ATTENTION_EPS,
+                                   initial_state=layer_cache.cross_state)
         return attn.out_proj(out.transpose(1, 2).reshape(x.shape))
 
     def _decoder_layer_step(self, layer, x, layer_cache, memory_key_padding_mask):

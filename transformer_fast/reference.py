@@ -150,14 +150,35 @@ def elu_feature_map(x):
     return F.elu(x) + 1
 
 
-def linear_attention(query, key, value, is_causal=False, key_padding_mask=None, eps=1e-6):
-    """out_i = sum_j phi(q_i).phi(k_j) v_j / (sum_j phi(q_i).phi(k_j) + eps), the sums over all
-    unpadded keys j, or over j <= i when causal. Written as the plain O(N^2) masked product so
-    that it does not share the cumulative-sum trick with the kernels it checks."""
+def linear_attention(query, key, value, is_causal=False, key_padding_mask=None, eps=1e-6, initial_state=None,
+                     output_final_state=False):
+    """out_i = (sum_j phi(q_i).phi(k_j) v_j + phi(q_i) S0) / (sum_j phi(q_i).phi(k_j) + phi(q_i).z0 + eps),
+    the sums over all unpadded keys j, or over j <= i when causal; (S0, z0) = ``initial_state``
+    (the sums of earlier keys), or no such terms. Written as the plain O(N^2) masked product so
+    that it does not share the cumulative-sum trick with the kernels it checks.
+
+    With ``output_final_state``, returns ``(out, (S, z))``: S = S0 + sum_j phi(k_j)^T v_j and
+    z = z0 + sum_j phi(k_j) over every unpadded key."""
     Nq, Nk = query.shape[-2], key.shape[-2]
     similarity = elu_feature_map(query) @ elu_feature_map(key).transpose(-2, -1)  # (B, H, Nq, Nk)
     if is_causal:
         similarity = similarity * torch.ones(Nq, Nk, dtype=similarity.dtype, device=similarity.device).tril()
+    kept = torch.ones(key.shape[0], Nk, dtype=similarity.dtype, device=similarity.device)
     if key_padding_mask is not None:
-        similarity = similarity * (~key_padding_mask)[:, None, None, :].to(similarity.dtype)
-    return (similarity @ value) / (similarity.sum(dim=-1, keepdim=True) + eps)
+        kept = (~key_padding_mask).to(similarity.dtype)
+    similarity = similarity * kept[:, None, None, :]
+    numerator = similarity @ value
+    denominator = similarity.sum(dim=-1, keepdim=True)
+    if initial_state is not None:
+        S0, z0 = initial_state
+        numerator = numerator + elu_feature_map(query) @ S0
+        denominator = denominator + (elu_feature_map(query) * z0[:, :, None, :]).sum(dim=-1, keepdim=True)
+    out = numerator / (denominator + eps)
+    if not output_final_state:
+        return out
+    kept_keys = elu_feature_map(key) * kept[:, None, :, None]  # (B, H, Nk, D)
+    S = torch.einsum("bhjd,bhje->bhde", kept_keys, value)
+    z = kept_keys.sum(dim=-2)
+    if initial_state is not None:
+        S, z = S + S0, z + z0
+    return out, (S, z)
