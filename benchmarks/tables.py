@@ -17,6 +17,7 @@ SUITE_TEXT = {
     "linear_state": "causal linear attention prefill with a carried state against without one",
     "target_gpu_attention": "GPU attention against torch's FlashAttention backend",
     "gpu": "gpu suite: install check and gpu tests",
+    "varlen": "CPU attention on packed sequences, a sliding window and a decoding step",
     "host": "host cost per call of each public function, one thread, tiny tensors",
     "models": "whole models (BERT, Llama-like decoder, encoder-decoder) against the same model on sdpa",
 }

@@ -39,8 +39,10 @@ struct Dropout {
   uint32_t threshold = 0;  // keep iff the 24-bit hash >= threshold
   uint64_t seed = 0;
   TF_HOST_DEVICE bool active() const { return p > 0.f; }
-  TF_HOST_DEVICE uint64_t row_key(int64_t bh, int64_t Nq, int64_t i) const {
-    return mix64(seed ^ mix64(static_cast<uint64_t>(bh * Nq + i) + 0x632BE59BD9B4E019ULL));
+  TF_HOST_DEVICE uint64_t row_key(int64_t bh, int64_t Nq, int64_t i) const { return row_key(bh * Nq + i); }
+  // The key of the row whose log-sum-exp is lse[index] (dense: bh * Nq + i; packed: h * Tq + row).
+  TF_HOST_DEVICE uint64_t row_key(int64_t lse_index) const {
+    return mix64(seed ^ mix64(static_cast<uint64_t>(lse_index) + 0x632BE59BD9B4E019ULL));
   }
   // inv_keep if key j is kept for the row of `key`, else 0.
   TF_HOST_DEVICE float factor(uint64_t key, int64_t j) const {
@@ -54,7 +56,10 @@ struct Dropout {
 };
 
 // Everything about the problem that the forward and backward share; the pointers are on the
-// tensors' device.
+// tensors' device. Dense problems (the only ones the CUDA kernels take) have B sequences of Nq
+// queries and Nk keys each. Packed ones (cu_seq_q set; CPU only) have B sequences of their own
+// lengths, laid out one after another in (rows, heads, width) tensors: Nq and Nk are then the
+// longest lengths, and the per-sequence accessors below give each one's rows.
 struct Problem {
   int64_t B, H, Hk, Nq, Nk, D, Dv;
   bool causal;
@@ -66,6 +71,42 @@ struct Problem {
   // key padding: (B, Nk), 1 = padded; nullptr when absent.
   const bool* pad = nullptr;
   Dropout dropout;
+
+  // Sliding window (-1: unbounded side), aligned to the bottom right of each sequence.
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.f;             // 0: none
+  const float* alibi = nullptr;    // (B, H) slopes, strides alibi_sb, alibi_sh
+  int64_t alibi_sb = 0, alibi_sh = 0;
+  const float* sinks = nullptr;    // (H,)
+  // Packed sequences: cu_seq_q (B + 1) offsets of each sequence's query rows; cu_seq_k those of
+  // its key rows (nullptr with a paged cache); seqused_k (B) the keys each uses (nullptr: all).
+  // Paged cache: key j of sequence b is row j % page_size of page block_table[b * pages_per_seq +
+  // j / page_size]. Tq: the rows of q (lse is (H, Tq)).
+  const int32_t* cu_seq_q = nullptr;
+  const int32_t* cu_seq_k = nullptr;
+  const int32_t* seqused_k = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t pages_per_seq = 0, page_size = 0, Tq = 0;
+  int64_t num_splits = 0;  // 0: the kernel chooses; 1: never split a row's keys; n: at most n parts
+
+  bool packed() const { return cu_seq_q != nullptr; }
+  bool paged() const { return block_table != nullptr; }
+  int64_t q_start(int64_t b) const { return packed() ? cu_seq_q[b] : 0; }
+  int64_t q_len(int64_t b) const { return packed() ? cu_seq_q[b + 1] - cu_seq_q[b] : Nq; }
+  int64_t k_start(int64_t b) const { return cu_seq_k != nullptr ? cu_seq_k[b] : 0; }
+  int64_t k_len(int64_t b) const {
+    if (!packed()) return Nk;
+    if (seqused_k != nullptr) return seqused_k[b];
+    return cu_seq_k[b + 1] - cu_seq_k[b];
+  }
+  // The index of row i of head h of sequence b in lse (dense (B, H, Nq); packed (H, Tq)), which
+  // also keys its dropout.
+  int64_t lse_index(int64_t b, int64_t h, int64_t i) const {
+    return packed() ? h * Tq + cu_seq_q[b] + i : (b * H + h) * Nq + i;
+  }
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  // Scores need the scale applied before anything else is done to them (not folded into exp).
+  bool transforms_scores() const { return softcap > 0.f || alibi != nullptr; }
 };
 
 // A unit stride along the last dim (any stride is fine when it has size 1).

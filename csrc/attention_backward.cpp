@@ -6,12 +6,14 @@
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
+#include "attention_sequences.h"
 #include "attention_tiles.h"
 #include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace transformer_fast {
@@ -35,54 +37,71 @@ void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols
   }
 }
 
+// A task: the key blocks [n_begin, n_end) of key head hk of sequence b, accumulating dQ into
+// slice `slice` of the fp32 dQ buffer.
+struct KeyTask {
+  int64_t b, hk, n_begin, n_end, slice, cost;
+};
+
 template <typename scalar_t>
 void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
                           at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask) {
   const Blocks blk = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n;
-  const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
-  const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
-  const std::vector<uint8_t> pad_status = padding_status(p, BN);
+  const Padding padding = padding_of(p);
   const int64_t group = p.H / p.Hk;
   const int64_t D = p.D, Dv = p.Dv;
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
-
-  const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k.data_ptr<scalar_t>();
-  const scalar_t* v_data = v.data_ptr<scalar_t>();
-  const scalar_t* do_data = dout.data_ptr<scalar_t>();
-  const scalar_t* o_data = out.data_ptr<scalar_t>();
+  const Operand<const scalar_t> qo = query_operand<const scalar_t>(q, p), doo = query_operand<const scalar_t>(dout, p),
+                                oo = query_operand<const scalar_t>(out, p), ko = key_operand<const scalar_t>(k, p),
+                                vo = key_operand<const scalar_t>(v, p);
+  const Operand<scalar_t> dko = key_operand<scalar_t>(dk, p), dvo = key_operand<scalar_t>(dv, p);
   const float* lse_data = lse.data_ptr<float>();
-  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsn = q.stride(2);
-  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksn = k.stride(2);
-  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
-  const int64_t dsb = dout.stride(0), dsh = dout.stride(1), dsn = dout.stride(2);
-  const int64_t osb = out.stride(0), osh = out.stride(1), osn = out.stride(2);
+  const int64_t lse_rows = p.packed() ? p.H * p.Tq : p.B * p.H * p.Nq;  // lse indices
+  auto n_key_blocks = [&](int64_t b) { return (p.k_len(b) + BN - 1) / BN; };
 
-  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included); rows whose keys fit one tile
-  // take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
-  at::Tensor delta = at::empty({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
+  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included); sequences whose keys fit one
+  // tile take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
+  at::Tensor delta = at::empty({lse_rows}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
-  if (n_nblocks > 1) at::parallel_for(0, p.B * p.H * p.Nq, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t i = row % p.Nq, bh = row / p.Nq, b = bh / p.H, h = bh % p.H;
-      delta_data[row] = dot_fp32(do_data + b * dsb + h * dsh + i * dsn, o_data + b * osb + h * osh + i * osn, Dv);
+  if (p.Nk > BN) at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.H, h = bh % p.H;
+      if (n_key_blocks(b) <= 1) continue;
+      const HeadRows<const scalar_t> d_rows = doo.at(b, h), o_rows = oo.at(b, h);
+      for (int64_t i = 0; i < p.q_len(b); ++i) {
+        delta_data[p.lse_index(b, h, i)] = dot_fp32(d_rows.row(i), o_rows.row(i), Dv);
+      }
     }
   });
 
-  // Split the key blocks of each (batch, key head) into ranges when there are too few of them
-  // to keep every thread busy.
-  const int64_t units = p.B * p.Hk;
+  // The key blocks of each (sequence, key head), split into ranges when there are too few of
+  // them to keep every thread busy; each range of a (sequence, key head) has its own dQ slice.
   const int64_t threads = at::get_num_threads();
-  int64_t n_splits = 1;
-  if (units < 4 * threads) n_splits = std::min(n_nblocks, (4 * threads + units - 1) / units);
-  const int64_t blocks_per_split = (n_nblocks + n_splits - 1) / n_splits;
-  n_splits = (n_nblocks + blocks_per_split - 1) / blocks_per_split;
-  at::Tensor dq_acc = at::zeros({n_splits, p.B, p.H, p.Nq, D}, q.options().dtype(at::kFloat));
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < p.B; ++b) total_blocks += p.Hk * n_key_blocks(b);
+  const int64_t per_task =
+      p.B * p.Hk >= 4 * threads ? std::numeric_limits<int64_t>::max() : std::max<int64_t>(1, total_blocks / (4 * threads));
+  std::vector<KeyTask> key_tasks;
+  int64_t n_slices = 1;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t nb = n_key_blocks(b);
+    const int64_t ranges = per_task >= nb ? 1 : (nb + per_task - 1) / per_task;
+    n_slices = std::max(n_slices, ranges);
+    for (int64_t hk = 0; hk < p.Hk; ++hk) {
+      for (int64_t s = 0; s < ranges; ++s) {
+        const int64_t n0 = nb * s / ranges, n1 = nb * (s + 1) / ranges;
+        key_tasks.push_back({b, hk, n0, n1, s, (n1 - n0) * p.q_len(b)});
+      }
+    }
+  }
+  if (p.packed()) {  // a pack's long sequences first
+    std::stable_sort(key_tasks.begin(), key_tasks.end(),
+                     [](const KeyTask& a, const KeyTask& c) { return a.cost > c.cost; });
+  }
+  at::Tensor dq_acc = at::zeros({n_slices, lse_rows, D}, q.options().dtype(at::kFloat));
   float* dq_acc_data = dq_acc.data_ptr<float>();
-  scalar_t* dk_data = dk.data_ptr<scalar_t>();
-  scalar_t* dv_data = dv.data_ptr<scalar_t>();
   // dS out, (B, H, Nq, Nk) contiguous and zero-filled: the tiles skipped below have dS = 0.
   scalar_t* ds_data = dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr;
 
@@ -90,8 +109,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   // block; Q, dO per query block); P^T and dS^T are written transposed. They take no alpha: the
   // softmax scale goes into the exponent (score_tile) and into the final dQ sum (dq_scale).
   // fp32: K^T and V^T only, for S and dP; the other three products need no packing.
-  const bool packed =
-      packed_scores<scalar_t>(p) && (!kLowp || (Dv % 2 == 0 && packing_pays_off(p.Nk)));
+  const ScorePath path = score_path<scalar_t>(p);
+  const bool rowwise = path == ScorePath::kRowwise;
+  const bool packed = path == ScorePath::kPacked && (!kLowp || (Dv % 2 == 0 && packing_pays_off(p.Nk)));
   const bool packed_updates = packed && kLowp;
   PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
   if (packed) {
@@ -105,45 +125,72 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   }
   const float dq_scale = packed_updates ? p.scale : 1.f;
   const int64_t ldP = round_up_even(BN), ldT = round_up_even(BM);
+  const bool softcap = p.softcap > 0.f;
 
-  parallel_tasks(units * n_splits, [&](TaskQueue& tasks) {
+  parallel_tasks(static_cast<int64_t>(key_tasks.size()), [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed_updates);
     TileBuffer<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
+    TileBuffer<float> tanh_tile(softcap ? BM * BN : 0);
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
     TileBuffer<scalar_t> PT(packed_updates ? BN * ldT : 0), dST(packed_updates ? BN * ldT : 0),
         k_packed(packed_updates ? packed_k.size : 0);
-    TileBuffer<float> q_float(kLowp ? kShortReduction * D : 0), do_float(kLowp ? kShortReduction * Dv : 0),
-        k_float(kLowp ? kShortReduction * D : 0);
-    for (int64_t task; tasks.pop(task);) {
-      const int64_t split = task % n_splits, bhk = task / n_splits;
-      const int64_t b = bhk / p.Hk, hk = bhk % p.Hk;
-      const scalar_t* kb = k_data + b * ksb + hk * ksh;
-      const scalar_t* vb = v_data + b * vsb + hk * vsh;
-      const int64_t n_end = std::min(n_nblocks, (split + 1) * blocks_per_split);
-      for (int64_t n = split * blocks_per_split; n < n_end; ++n) {
-        const int64_t j0 = n * BN, bn = std::min(BN, p.Nk - j0);
-        const uint8_t status = pad_status[b * n_nblocks + n];
+    TileBuffer<float> q_float(kLowp ? std::max(kShortReduction, rowwise ? BM : 0) * D : 0),
+        do_float(kLowp ? kShortReduction * Dv : 0), k_float(kLowp ? kShortReduction * D : 0),
+        key_float(rowwise && kLowp ? kRowwiseChunk * D : 0);
+    std::vector<const float*> q_rows(rowwise ? BM : 0);
+    std::vector<const scalar_t*> k_rows(rowwise ? BN : 0);
+    for (int64_t t; tasks.pop(t);) {
+      const KeyTask& task = key_tasks[t];
+      const int64_t b = task.b, hk = task.hk, bhk = b * p.Hk + hk;
+      const int64_t nq = p.q_len(b), nk = p.k_len(b);
+      const Band band = band_of(p, nq, nk);
+      const bool delta_from_p = nk <= BN;
+      const HeadRows<const scalar_t> krows = ko.at(b, hk), vrows = vo.at(b, hk);
+      const int64_t ksn = krows.stride, vsn = vrows.stride;
+      float* dq_slice = dq_acc_data + task.slice * lse_rows * D;
+      for (int64_t n = task.n_begin; n < task.n_end; ++n) {
+        const int64_t j0 = n * BN, bn = std::min(BN, nk - j0);
+        const scalar_t* kb = krows.row(j0);
+        const scalar_t* vb = vrows.row(j0);
+        const uint8_t status = padding.status(b, j0, j0 + bn);
         std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
         std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
-        // Causal: query blocks whose last row is left of j0 see none of these keys.
-        const int64_t mb_start = p.causal ? std::min(n_mblocks, j0 / BM) : 0;
-        for (int64_t h = hk * group; h < (hk + 1) * group && status != kAllPadding; ++h) {
-          const int64_t bh = b * p.H + h;
-          for (int64_t mb = mb_start; mb < n_mblocks; ++mb) {
-            const int64_t i0 = mb * BM, bm = std::min(BM, p.Nq - i0);
-            if (p.causal && i0 + bm - 1 < j0) continue;
-            const scalar_t* qt = q_data + b * qsb + h * qsh + i0 * qsn;
-            const scalar_t* dot = do_data + b * dsb + h * dsh + i0 * dsn;
-            const float* lse_t = lse_data + bh * p.Nq + i0;
-            const float* delta_t = delta_data + bh * p.Nq + i0;
-            const float s_scale = score_tile(p, packed, blk, qt, qsn, kb + j0 * ksn, ksn,
-                                             packed ? packed_kt.at(bhk, n) : nullptr, bm, bn, S.data(), BN);
-            const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
+        // The query rows whose band reaches these keys.
+        const auto [i_lo, i_hi] = row_range(band, j0, j0 + bn, nq);
+        const int64_t mb_begin = std::max<int64_t>(0, i_lo) / BM, mb_end = (i_hi + BM - 1) / BM;
+        if (rowwise) {
+          for (int64_t c = 0; c < bn; ++c) k_rows[c] = krows.row(j0 + c);
+        }
+        for (int64_t h = hk * group; h < (hk + 1) * group && status != kAllPadding && i_lo < i_hi; ++h) {
+          const HeadRows<const scalar_t> qrows = qo.at(b, h), drows = doo.at(b, h);
+          for (int64_t mb = mb_begin; mb < mb_end; ++mb) {
+            const int64_t i0 = mb * BM, bm = std::min(BM, nq - i0);
+            const scalar_t* qt = qrows.row(i0);
+            const scalar_t* dot = drows.row(i0);
+            const int64_t qsn = qrows.stride, dsn = drows.stride, row0 = p.lse_index(b, h, i0);
+            const float* lse_t = lse_data + row0;
+            const float* delta_t = delta_data + row0;
+            float s_scale = 1.f;
+            if (rowwise) {
+              for (int64_t r = 0; r < bm; ++r) {
+                if constexpr (kLowp) {
+                  at::vec::convert(qt + r * qsn, q_float.data() + r * D, D);
+                  q_rows[r] = q_float.data() + r * D;
+                } else {
+                  q_rows[r] = qt + r * qsn;
+                }
+              }
+              rowwise_scores(q_rows.data(), bm, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
+            } else {
+              s_scale = score_tile(p, packed, blk, qt, qsn, kb, ksn, packed ? packed_kt.at(bhk, n) : nullptr, bm, bn,
+                                   S.data(), BN);
+            }
+            const bool masked = transform_scores<scalar_t>(p, band, S.data(), BN, bm, bn, {b, h, i0, j0}, status,
+                                                           softcap ? tanh_tile.data() : nullptr);
             // An unmasked tile without dropout uses all its keys: P and dS are then made in one
             // pass after the dP product. Otherwise P comes first, to find the keys in use; so it
             // does where the row's keys fit this one tile, whose P and dP then give delta.
-            const bool delta_from_p = n_nblocks == 1;
             const bool fused = !masked && !p.dropout.active() && !delta_from_p;
             UsedKeys used{0, bn, false};
             if (!fused) {
@@ -162,9 +209,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
             if (packed) {
-              packed_nt_product(blk, bm, bn, Dv, dot, dsn, vb + j0 * vsn, vsn, packed_vt.at(bhk, n), dP.data(), BN);
+              packed_nt_product(blk, bm, bn, Dv, dot, dsn, vb, vsn, packed_vt.at(bhk, n), dP.data(), BN);
             } else {
-              gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb + j0 * vsn, vsn, 0.f, dP.data(), BN);
+              gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb, vsn, 0.f, dP.data(), BN);
             }
             // Pd = P * dropout factor -> dV += Pd^T dO; dS = P * (dP * factor - delta)
             for (int64_t r = 0; r < bm; ++r) {
@@ -172,7 +219,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               float* dp = dP.data() + r * BN;
               float* f = drop.data() + r * BN;
               if (p.dropout.active()) {
-                p.dropout.factors(p.dropout.row_key(bh, p.Nq, i0 + r), j0, bn, f);
+                p.dropout.factors(p.dropout.row_key(row0 + r), j0, bn, f);
                 for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
               }
               if (fused) {
@@ -180,7 +227,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               } else {
                 ds_from_dp(s, dp, bn, delta_from_p ? delta_from_tile(s, dp, bn) : delta_t[r]);  // dP -> dS
               }
-              if (ds_data != nullptr) convert_row(dp, ds_data + (bh * p.Nq + i0 + r) * p.Nk + j0, bn);
+              if (ds_data != nullptr) convert_row(dp, ds_data + (row0 + r) * p.Nk + j0, bn);
+              if (softcap) softcap_gradient_row(dp, tanh_tile.data() + r * BN, bn);  // dS of the raw scores
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
@@ -190,9 +238,11 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 if (bn % 2) dS_lowp[r * ldP + bn] = scalar_t(0);  // meets the packed K's zero row
               }
             }
+            float* dqt = dq_slice + row0 * D;
             if (packed_updates) {
               // dV += P^T dO, dK += dS^T Q (over all bn keys: unused ones have P = dS = 0 and
               // finite operands), dQ += dS K (unscaled; K's unused rows zeroed when there are any)
+              const int64_t bh = b * p.H + h;
               transpose_to(P_lowp.data(), ldP, bm, bn, PT.data(), ldT);
               transpose_to(dS_lowp.data(), ldP, bm, bn, dST.data(), ldT);
               cpu_blas::packed_gemm(bn, Dv, round_up_even(bm), PT.data(), ldT, packed_do.at(bh, mb), true,
@@ -200,10 +250,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               cpu_blas::packed_gemm(bn, D, round_up_even(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
                                     dk_acc.data(), D);
               const scalar_t* kp = used.lo != 0 || used.hi != bn || used.holes
-                                       ? pack_used_rows(kb + j0 * ksn, ksn, D, colsum.data(), bn, k_scratch.data(),
+                                       ? pack_used_rows(kb, ksn, D, colsum.data(), bn, k_scratch.data(),
                                                         k_packed.data())
                                        : packed_k.at(bhk, n);
-              float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
               cpu_blas::packed_gemm(bm, D, round_up_even(bn), dS_lowp.data(), ldP, kp, true, dqt, D);
               continue;
             }
@@ -226,8 +275,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             // dQ += scale * dS K over the used keys
             int64_t ldk;
-            const scalar_t* kt = used_operand(kb + j0 * ksn, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
-            float* dqt = dq_acc_data + ((split * p.B * p.H + bh) * p.Nq + i0) * D;
+            const scalar_t* kt = used_operand(kb, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
             if (kLowp && nu <= kShortReduction) {
               gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN,
                    rows_as_float(kt, ldk, nu, D, k_float.data()), D, 1.f, dqt, D);
@@ -238,30 +286,30 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
           }
         }
-        scalar_t* dkt = dk_data + ((b * p.Hk + hk) * p.Nk + j0) * D;
-        scalar_t* dvt = dv_data + ((b * p.Hk + hk) * p.Nk + j0) * Dv;
+        const HeadRows<scalar_t> dk_rows = dko.at(b, hk), dv_rows = dvo.at(b, hk);
         for (int64_t c = 0; c < bn; ++c) {
           scale_row(dk_acc.data() + c * D, D, p.scale);
-          convert_row(dk_acc.data() + c * D, dkt + c * D, D);
-          convert_row(dv_acc.data() + c * Dv, dvt + c * Dv, Dv);
+          convert_row(dk_acc.data() + c * D, dk_rows.row(j0 + c), D);
+          convert_row(dv_acc.data() + c * Dv, dv_rows.row(j0 + c), Dv);
         }
       }
     }
   });
 
-  // dQ: the splits summed in order.
+  // dQ: the slices summed in order, into dq's row of each lse index (dense: the same index;
+  // packed: lse (H, Tq) against dq (Tq, H, D)).
   scalar_t* dq_data = dq.data_ptr<scalar_t>();
-  const int64_t rows = p.B * p.H * p.Nq;
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, lse_rows, 64, [&](int64_t begin, int64_t end) {
     TileBuffer<float> sum(D);
     for (int64_t row = begin; row < end; ++row) {
       std::memcpy(sum.data(), dq_acc_data + row * D, D * sizeof(float));
-      for (int64_t s = 1; s < n_splits; ++s) {
-        const float* part = dq_acc_data + (s * rows + row) * D;
+      for (int64_t s = 1; s < n_slices; ++s) {
+        const float* part = dq_acc_data + (s * lse_rows + row) * D;
         for (int64_t d = 0; d < D; ++d) sum[d] += part[d];
       }
       if (dq_scale != 1.f) scale_row(sum.data(), D, dq_scale);
-      convert_row(sum.data(), dq_data + row * D, D);
+      const int64_t dst = p.packed() ? (row % p.Tq) * p.H + row / p.Tq : row;
+      convert_row(sum.data(), dq_data + dst * D, D);
     }
   });
 }
@@ -271,28 +319,52 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 
 // Empty problems (B, H, Nq or Nk = 0) give zero gradients and a zero dmask. A head dim of 0 goes
 // through the kernel: D = 0 leaves dq and dk empty; Dv = 0 makes dP = dO V^T = 0, so dS, dq and dk
-// are 0.
+// are 0. Packed key rows after the last sequence belong to none: their gradients are 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
     int64_t max_k) {
+  const char* fn = "attention_backward";
   const AttentionExtras x = make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k,
                                         std::nullopt, std::nullopt, max_q, max_k, 0);
-  TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), "attention_backward (C++ CPU): windows, softcap, ALiBi and packed "
-                              "sequences are not implemented yet");
-  return attention_backward_entry(
-      c10::DeviceType::CPU, dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-      compute_dmask,
-      [](const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-         at::Tensor& dmask) {
-        cpu_attention::dispatch_dtype("attention_backward", q.scalar_type(), [&](auto tag) {
-          cpu_attention::attention_bwd_kernel<decltype(tag)>(p, dout, q, k, v, out, lse, dq, dk, dv, dmask);
-        });
-      });
+  const CpuProblem cp = cpu_problem(fn, q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                                    seed, x);
+  const Problem& p = cp.p;
+  check_shape(fn, "dout", dout_in, cp.out_sizes(p.Dv));
+  check_shape(fn, "out", out_in, cp.out_sizes(p.Dv));
+  check_shape(fn, "lse", lse_in, cp.lse_sizes());
+  TORCH_CHECK(dout_in.device() == cp.q.device() && out_in.device() == cp.q.device() &&
+                  lse_in.device() == cp.q.device(),
+              fn, ": dout, out and lse must be on q's device ", cp.q.device());
+  TORCH_CHECK_VALUE(!compute_dmask || !p.packed(), fn, ": compute_dmask is for dense problems (the attn_mask's "
+                    "gradient), not packed sequences");
+  const at::Tensor dout = unit_last_stride(dout_in.to(cp.q.scalar_type()));
+  const at::Tensor out = unit_last_stride(out_in.to(cp.q.scalar_type()));
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+  at::Tensor dq = new_output(cp.q.sizes(), cp.q.options());
+  at::Tensor dk = new_output(cp.k.sizes(), cp.k.options());
+  at::Tensor dv = new_output(cp.v.sizes(), cp.v.options());
+  // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
+  // outside every row's band are skipped).
+  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, cp.q.options()) : at::Tensor();
+  if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv, dmask};
+  }
+  if (p.packed()) {
+    const int64_t end = p.cu_seq_k[p.B];
+    dk.narrow(0, end, dk.size(0) - end).zero_();
+    dv.narrow(0, end, dv.size(0) - end).zero_();
+  }
+  cpu_attention::dispatch_dtype(fn, cp.q.scalar_type(), [&](auto tag) {
+    cpu_attention::attention_bwd_kernel<decltype(tag)>(p, dout, cp.q, cp.k, cp.v, out, lse, dq, dk, dv, dmask);
+  });
+  return {dq, dk, dv, dmask};
 }
 
 namespace {

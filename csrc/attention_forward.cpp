@@ -1,8 +1,14 @@
-// Softmax attention on the CPU, forward: one task per (batch, head, block of query rows), which
-// runs over the key blocks with an online softmax (attention_tiles.h describes the tiles).
+// Softmax attention on the CPU, forward: one task per (sequence, head, block of query rows), which
+// runs over the key tiles its rows may attend with an online softmax (attention_tiles.h describes
+// the tiles). Decoding with GQA (at most kRowwiseMaxRows queries per sequence) stacks the query rows of
+// all the heads that share a key head into one task, so each key and value row is read once per key
+// head; with fewer tasks than threads, the keys of a task are split into parts that are merged
+// afterwards (attention_decode.h).
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
+#include "attention_sequences.h"
+#include "attention_decode.h"
 #include "attention_tiles.h"
 #include "ops.h"
 
@@ -15,64 +21,135 @@ namespace transformer_fast {
 namespace cpu_attention {
 namespace {
 
+// A block of query rows of the heads [h0, h0 + heads) of sequence b.
+struct RowBlock {
+  int64_t b, h0, i0, cost;
+};
+
 template <typename scalar_t>
 void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           at::Tensor& out, at::Tensor& lse) {
-  const Blocks blk = forward_blocks(p), score_unit = backward_blocks<scalar_t>(p);
-  const int64_t BM = blk.m, BN = blk.n;
-  const int64_t n_mblocks = (p.Nq + BM - 1) / BM;
-  const int64_t n_nblocks = (p.Nk + BN - 1) / BN;
-  const std::vector<uint8_t> pad_status = padding_status(p, BN);
+  const Blocks blk = forward_blocks(p), unit = backward_blocks<scalar_t>(p);
+  const int64_t BM = blk.m, BN = blk.n, D = p.D, Dv = p.Dv;
   const int64_t group = p.H / p.Hk;
-
-  const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k.data_ptr<scalar_t>();
-  const scalar_t* v_data = v.data_ptr<scalar_t>();
-  scalar_t* out_data = out.data_ptr<scalar_t>();
+  const ScorePath path = score_path<scalar_t>(p);
+  const bool packed = path == ScorePath::kPacked, rowwise = path == ScorePath::kRowwise;
+  const int64_t heads = rowwise ? group : 1;  // query heads per task
+  const int64_t R = heads * BM;               // rows per task
+  // Key tiles start on a multiple of the packed blocks (BN) or of the backward's tiles (unit.n),
+  // and end at one (or at the sequence's end): the score products are then made in the backward's
+  // units (score_tile).
+  const int64_t align = packed ? BN : unit.n;
+  const Padding padding = padding_of(p);
+  const Operand<const scalar_t> qo = query_operand<const scalar_t>(q, p), ko = key_operand<const scalar_t>(k, p),
+                                vo = key_operand<const scalar_t>(v, p);
+  const Operand<scalar_t> oo = query_operand<scalar_t>(out, p);
   float* lse_data = lse.data_ptr<float>();
-  const int64_t qsb = q.stride(0), qsh = q.stride(1), qsn = q.stride(2);
-  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksn = k.stride(2);
-  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsn = v.stride(2);
-  const int64_t Dv = p.Dv;
   constexpr bool kLowp = !std::is_same_v<scalar_t, float>;
+
+  // Each sequence's keys that its rows may attend: the band, and the unpadded keys.
+  auto keys_of = [&](int64_t b, int64_t i0, int64_t i1) {
+    const int64_t nq = p.q_len(b), nk = p.k_len(b);
+    auto [lo, hi] = key_range(band_of(p, nq, nk), i0, i1, nk);
+    if (padding.any) {
+      lo = std::max<int64_t>(lo, padding.first[b]);
+      hi = std::min<int64_t>(hi, padding.last[b]);
+    }
+    return std::pair<int64_t, int64_t>{lo, hi};
+  };
+  // The row blocks, in (sequence, head, block) order; those of a pack costliest first, so that
+  // its long sequences do not start last.
+  std::vector<RowBlock> blocks;
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t nq = p.q_len(b);
+    for (int64_t h0 = 0; h0 < p.H; h0 += heads) {
+      for (int64_t i0 = 0; i0 < nq; i0 += BM) {
+        const auto [lo, hi] = keys_of(b, i0, std::min(nq, i0 + BM));
+        max_keys = std::max(max_keys, hi - lo);
+        blocks.push_back({b, h0, i0, std::max<int64_t>(hi - lo, 0) * std::min(BM, nq - i0) + 1});
+      }
+    }
+  }
+  if (p.packed()) {
+    std::stable_sort(blocks.begin(), blocks.end(), [](const RowBlock& a, const RowBlock& c) { return a.cost > c.cost; });
+  }
+  const int64_t n_blocks = static_cast<int64_t>(blocks.size());
+  const int64_t parts = key_parts(p.num_splits, n_blocks, max_keys, align);
+  const Partials partials = make_partials(n_blocks, parts, R, Dv);
+
   // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
   // fp32 packs only K^T: its P V product needs no packing (cpu_blas::register_gemm).
-  const bool packed = packed_scores<scalar_t>(p), packed_values = packed && kLowp;
+  const bool packed_values = packed && kLowp;
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
   const PackedBlocks<scalar_t> packed_v =
       packed_values ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
 
-  parallel_tasks(p.B * p.H * n_mblocks, [&](TaskQueue& tasks) {
+  parallel_tasks(n_blocks * parts, [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed_values);
-    TileBuffer<float> S(BM * BN), acc(BM * Dv), m(BM), l(BM), colsum(BN), drop(BN);
-    TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), v_scratch(ldP * Dv);
+    TileBuffer<float> S(R * BN), acc(R * Dv), m(R), l(R), colsum(BN), drop(BN);
+    TileBuffer<scalar_t> P_lowp(kLowp ? R * ldP : 0), v_scratch(ldP * Dv), kv_gathered(BN * std::max(D, Dv));
     TileBuffer<scalar_t> v_packed(packed_values ? packed_v.size : 0);
     TileBuffer<float> v_float(kLowp ? kShortReduction * Dv : 0);
+    TileBuffer<float> q_float(rowwise && kLowp ? R * D : 0), key_float(rowwise && kLowp ? kRowwiseChunk * D : 0);
+    std::vector<const float*> q_rows(rowwise ? R : 0);
+    std::vector<const scalar_t*> k_rows(rowwise ? BN : 0), v_rows(rowwise ? BN : 0);
     for (int64_t task; tasks.pop(task);) {
-      const int64_t mb = task % n_mblocks, bh = task / n_mblocks;
-      const int64_t b = bh / p.H, h = bh % p.H, hk = h / group;
-      const int64_t i0 = mb * BM, bm = std::min(BM, p.Nq - i0);
-      const scalar_t* qt = q_data + b * qsb + h * qsh + i0 * qsn;
-      const scalar_t* kb = k_data + b * ksb + hk * ksh;
-      const scalar_t* vb = v_data + b * vsb + hk * vsh;
-      std::fill(m.begin(), m.end(), kNegInf);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.begin() + bm * Dv, 0.f);
-      const int64_t key_end = p.causal ? std::min(p.Nk, i0 + bm) : p.Nk;  // keys beyond are masked for all rows
-      for (int64_t j0 = 0, n = 0; j0 < key_end; j0 += BN, ++n) {
-        const uint8_t status = pad_status[b * n_nblocks + n];
+      const int64_t bi = task / parts, part = task % parts;
+      const RowBlock& rb = blocks[bi];
+      const int64_t b = rb.b, h0 = rb.h0, hk = h0 / group, i0 = rb.i0;
+      const int64_t nq = p.q_len(b), nk = p.k_len(b), bm = std::min(BM, nq - i0), rows = heads * bm;
+      const bool few_rows = rowwise && rows <= kFewValueRows;  // P V by rows_times_values, P in fp32
+      const Band band = band_of(p, nq, nk);
+      const auto [klo, khi] = keys_of(b, i0, i0 + bm);
+      // This part's tiles: [j_begin, j_end), from and to multiples of align (or the last key).
+      auto [j_begin, j_end] = part_range(klo / align * align, khi, align, part, parts);
+      j_end = std::min(nk, (j_end + align - 1) / align * align);
+      std::fill(m.begin(), m.begin() + rows, kNegInf);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
+      const HeadRows<const scalar_t> krows = ko.at(b, hk), vrows = vo.at(b, hk);
+      const scalar_t* qt = qo.at(b, h0).row(i0);
+      if (rowwise) {  // the rows of every head of the task, as fp32
+        for (int64_t g = 0; g < heads; ++g) {
+          const HeadRows<const scalar_t> qh = qo.at(b, h0 + g);
+          for (int64_t r = 0; r < bm; ++r) {
+            if constexpr (kLowp) {
+              float* dst = q_float.data() + (g * bm + r) * D;
+              at::vec::convert(qh.row(i0 + r), dst, D);
+              q_rows[g * bm + r] = dst;
+            } else {
+              q_rows[g * bm + r] = qh.row(i0 + r);
+            }
+          }
+        }
+      }
+      for (int64_t j0 = j_begin; j0 < j_end; j0 += BN) {
+        const int64_t bn = std::min(BN, j_end - j0);
+        const uint8_t status = padding.status(b, j0, j0 + bn);
         if (status == kAllPadding) continue;
-        const int64_t bn = std::min(BN, p.Nk - j0);
-        const float s_scale = score_tile(p, packed, score_unit, qt, qsn, kb + j0 * ksn, ksn,
-                                         packed ? packed_kt.at(b * p.Hk + hk, n) : nullptr, bm, bn, S.data(), BN);
-        const bool masked = apply_masks<scalar_t>(p, S.data(), BN, bm, bn, b, h, i0, j0, status);
+        float s_scale = 1.f;
+        if (rowwise) {
+          for (int64_t c = 0; c < bn; ++c) k_rows[c] = krows.row(j0 + c);
+          rowwise_scores(q_rows.data(), rows, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
+        } else {
+          int64_t ldk;
+          const scalar_t* kt = krows.block(j0, bn, D, kv_gathered.data(), &ldk);
+          s_scale = score_tile(p, packed, unit, qt, qo.sn, kt, ldk, packed ? packed_kt.at(b * p.Hk + hk, j0 / BN) : nullptr,
+                               bm, bn, S.data(), BN);
+        }
+        bool masked = false;
+        for (int64_t g = 0; g < heads; ++g) {
+          masked |= transform_scores<scalar_t>(p, band, S.data() + g * bm * BN, BN, bm, bn, {b, h0 + g, i0, j0}, status,
+                                               nullptr);
+        }
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
         // Unmasked tiles without dropout write P straight into the product's operand, unless the
         // tile is short enough for fp32 products (kShortReduction), which read P from S.
-        const bool direct = kLowp && !masked && !p.dropout.active() && bn > kShortReduction;
-        for (int64_t r = 0; r < bm; ++r) {
+        const bool direct = kLowp && !few_rows && !masked && !p.dropout.active() && bn > kShortReduction;
+        for (int64_t r = 0; r < rows; ++r) {
           float* s = S.data() + r * BN;
           scalar_t* p_row = kLowp ? P_lowp.data() + r * ldP : nullptr;
           const float m_old = m[r], m_new = std::max(m_old, row_max(s, bn) * s_scale);
@@ -89,13 +166,14 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           l[r] += row_sum;
           m[r] = m_new;
           if (p.dropout.active()) {
-            p.dropout.factors(p.dropout.row_key(bh, p.Nq, i0 + r), j0, bn, drop.data());
+            const int64_t h = h0 + r / bm, i = i0 + r % bm;
+            p.dropout.factors(p.dropout.row_key(p.lse_index(b, h, i)), j0, bn, drop.data());
             for (int64_t c = 0; c < bn; ++c) s[c] *= drop[c];
           }
           if (masked) {
             for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
           }
-          if constexpr (kLowp) {
+          if (kLowp && !few_rows) {
             if (!direct) convert_row(s, p_row, bn);
             if (bn % 2) p_row[bn] = scalar_t(0);  // meets the packed V's zero row
           }
@@ -103,39 +181,61 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         UsedKeys used{0, bn, false};
         if (masked) used = used_keys(colsum.data(), bn);
         if (used.hi <= used.lo) continue;
-        if (packed_values) {
-          const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes
-                                   ? pack_used_rows(vb + j0 * vsn, vsn, Dv, colsum.data(), bn, v_scratch.data(),
-                                                    v_packed.data())
-                                   : packed_v.at(b * p.Hk + hk, n);
-          cpu_blas::packed_gemm(bm, Dv, round_up_even(bn), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
+        if (few_rows) {
+          for (int64_t c = used.lo; c < used.hi; ++c) v_rows[c] = vrows.row(j0 + c);
+          rows_times_values(S.data() + used.lo, BN, rows, v_rows.data() + used.lo, used.hi - used.lo,
+                            masked ? colsum.data() + used.lo : nullptr, Dv, acc.data());
           continue;
         }
-        int64_t ldv;
-        const scalar_t* vt = used_operand(vb + j0 * vsn, vsn, Dv, colsum.data(), used, v_scratch.data(), &ldv);
+        if (packed_values) {
+          const scalar_t* vb = vrows.row(j0);
+          const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes
+                                   ? pack_used_rows(vb, vrows.stride, Dv, colsum.data(), bn, v_scratch.data(),
+                                                    v_packed.data())
+                                   : packed_v.at(b * p.Hk + hk, j0 / BN);
+          cpu_blas::packed_gemm(rows, Dv, round_up_even(bn), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
+          continue;
+        }
+        int64_t ldv_tile, ldv;
+        const scalar_t* v_tile = vrows.block(j0, bn, Dv, kv_gathered.data(), &ldv_tile);
+        const scalar_t* vt = used_operand(v_tile, ldv_tile, Dv, colsum.data(), used, v_scratch.data(), &ldv);
         if (kLowp && used.hi - used.lo <= kShortReduction) {  // fp32 P (in S: not direct) times fp32 V
-          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN,
+          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN,
                rows_as_float(vt, ldv, used.hi - used.lo, Dv, v_float.data()), Dv, 1.f, acc.data(), Dv);
         } else if constexpr (kLowp) {
-          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, ldP, vt, ldv, 1.f,
+          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, ldP, vt, ldv, 1.f,
                acc.data(), Dv);
         } else {
-          gemm(false, false, bm, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN, vt, ldv, 1.f, acc.data(),
+          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN, vt, ldv, 1.f, acc.data(),
                Dv);
         }
       }
-      scalar_t* o = out_data + (bh * p.Nq + i0) * Dv;
-      for (int64_t r = 0; r < bm; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         float* a = acc.data() + r * Dv;
-        if (l[r] != 0.f) {  // (NaN too: a NaN score makes the row NaN, as it should)
-          scale_row(a, Dv, 1.f / l[r]);
-          lse_data[bh * p.Nq + i0 + r] = m[r] + std::log(l[r]);
-        } else {  // no allowed key: 0, and exp(s - lse) = 0 in the backward
-          std::fill(a, a + Dv, 0.f);
-          lse_data[bh * p.Nq + i0 + r] = kInf;
+        const int64_t h = h0 + r / bm, i = i0 + r % bm;
+        if (parts > 1) {
+          std::copy(a, a + Dv, partials.acc(bi, part, r));
+          float* st = partials.stats(bi, part, r);
+          st[0] = m[r];
+          st[1] = l[r];
+          continue;
         }
-        convert_row(a, o + r * Dv, Dv);
+        lse_data[p.lse_index(b, h, i)] = finish_row(m[r], l[r], a, Dv, p.sinks ? p.sinks[h] : kNegInf);
+        convert_row(a, oo.at(b, h).row(i), Dv);
       }
+    }
+  });
+  if (parts == 1) return;
+  at::parallel_for(0, n_blocks * R, 16, [&](int64_t begin, int64_t end) {
+    TileBuffer<float> a(Dv);
+    for (int64_t row = begin; row < end; ++row) {
+      const RowBlock& rb = blocks[row / R];
+      const int64_t r = row % R, bm = std::min(BM, p.q_len(rb.b) - rb.i0);
+      if (r >= heads * bm) continue;
+      const int64_t h = rb.h0 + r / bm, i = rb.i0 + r % bm;
+      const auto [mr, lr] = merge_parts(partials, row / R, r, a.data());
+      lse_data[p.lse_index(rb.b, h, i)] = finish_row(mr, lr, a.data(), Dv, p.sinks ? p.sinks[h] : kNegInf);
+      convert_row(a.data(), oo.at(rb.b, h).row(i), Dv);
     }
   });
 }
@@ -144,7 +244,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 }  // namespace cpu_attention
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
     int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
@@ -152,16 +252,21 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
   const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k,
                                         block_table, max_q, max_k, num_splits);
-  TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), "attention_forward (C++ CPU): windows, softcap, ALiBi, sinks and packed "
-                              "sequences are not implemented yet");
-  return attention_forward_entry(
-      c10::DeviceType::CPU, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-      [](const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-         at::Tensor& lse) {
-        cpu_attention::dispatch_dtype("attention_forward", q.scalar_type(), [&](auto tag) {
-          cpu_attention::attention_fwd_kernel<decltype(tag)>(p, q, k, v, out, lse);
-        });
-      });
+  CpuProblem cp = cpu_problem("attention_forward", q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale,
+                              dropout_p, seed, x);
+  const Problem& p = cp.p;
+  at::Tensor out = new_output(cp.out_sizes(p.Dv), cp.q.options());
+  at::Tensor lse = new_output(cp.lse_sizes(), cp.q.options().dtype(at::kFloat));
+  cp.fill_rows_outside_sequences(out, lse);
+  if (p.B * p.H == 0 || p.Nq == 0) return {out, lse};
+  if (p.Nk == 0) {  // no keys anywhere: every row has none allowed
+    cp.fill_keyless(out, lse);
+    return {out, lse};
+  }
+  cpu_attention::dispatch_dtype("attention_forward", cp.q.scalar_type(), [&](auto tag) {
+    cpu_attention::attention_fwd_kernel<decltype(tag)>(p, cp.q, cp.k, cp.v, out, lse);
+  });
+  return {out, lse};
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {

@@ -1,7 +1,8 @@
 // Softmax attention on the CPU: FlashAttention-2 style forward (attention_forward.cpp) and
 // backward (attention_backward.cpp). This header holds what the two share: per-thread tile
-// buffers, the masks applied to a score tile, the tile sizes and the task queue that spreads
-// tiles over threads, the packed operands, the score product and the entry points' input checks.
+// buffers, the rows of each sequence and head in the operands (dense, packed or paged), the tile
+// sizes and the task queue that spreads tiles over threads, the packed operands and the score
+// product. What is done to the scores after the product is attention_scores.h's.
 //
 // Queries and keys are processed in tiles with an online softmax, so nothing of size Nq x Nk is
 // ever allocated: each thread owns a (BLOCK_M x BLOCK_N) score tile and an fp32 output
@@ -20,6 +21,7 @@
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
 #include "attention.h"
+#include "attention_scores.h"
 #include "attention_softmax.h"
 #include "cpu_blas.h"
 
@@ -59,78 +61,6 @@ struct CacheLineAllocator {
 };
 template <typename T>
 using TileBuffer = std::vector<T, CacheLineAllocator<T>>;
-
-// Key-block status under the key padding mask.
-enum : uint8_t { kNoPadding = 0, kSomePadding = 1, kAllPadding = 2 };
-
-// Status of each key block of each batch under the padding mask: (B, ceil(Nk / block)).
-inline std::vector<uint8_t> padding_status(const Problem& p, int64_t block) {
-  const int64_t nblocks = (p.Nk + block - 1) / block;
-  std::vector<uint8_t> status(p.B * nblocks, kNoPadding);
-  if (p.pad == nullptr) return status;
-  for (int64_t b = 0; b < p.B; ++b) {
-    for (int64_t n = 0; n < nblocks; ++n) {
-      const int64_t j0 = n * block, j1 = std::min(p.Nk, j0 + block);
-      int64_t padded = 0;
-      for (int64_t j = j0; j < j1; ++j) padded += p.pad[b * p.Nk + j];
-      status[b * nblocks + n] = padded == 0 ? kNoPadding : padded == j1 - j0 ? kAllPadding : kSomePadding;
-    }
-  }
-  return status;
-}
-
-template <typename mask_t>
-void add_float_mask(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, const mask_t* base,
-                    int64_t i0, int64_t j0) {
-  for (int64_t r = 0; r < bm; ++r) {
-    const mask_t* m = base + (i0 + r) * p.msm + j0 * p.msn;
-    float* s = S + r * ldS;
-    if (p.msn == 1) {
-      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c]);
-    } else {
-      for (int64_t c = 0; c < bn; ++c) s[c] += static_cast<float>(m[c * p.msn]);
-    }
-  }
-}
-
-// Applies attn_mask, causality and key padding to the scaled score tile S (rows i0.., keys j0..).
-// The float mask is added first, so that the -inf of padding/causality overwrite whatever a
-// garbage key or mask value produced. Returns whether any position may have been masked.
-template <typename scalar_t>
-bool apply_masks(const Problem& p, float* S, int64_t ldS, int64_t bm, int64_t bn, int64_t b, int64_t h,
-                 int64_t i0, int64_t j0, uint8_t pad_status) {
-  bool masked = false;
-  if (p.mask != nullptr) {
-    masked = true;
-    const int64_t off = b * p.msb + h * p.msh;
-    if (p.mask_is_bool) {
-      const bool* base = static_cast<const bool*>(p.mask) + off;
-      for (int64_t r = 0; r < bm; ++r) {
-        const bool* m = base + (i0 + r) * p.msm + j0 * p.msn;
-        float* s = S + r * ldS;
-        for (int64_t c = 0; c < bn; ++c) s[c] = m[c * p.msn] ? s[c] : kNegInf;
-      }
-    } else {
-      add_float_mask(p, S, ldS, bm, bn, static_cast<const scalar_t*>(p.mask) + off, i0, j0);
-    }
-  }
-  if (p.causal && j0 + bn - 1 > i0) {  // some key lies right of the diagonal
-    masked = true;
-    for (int64_t r = 0; r < bm; ++r) {
-      float* s = S + r * ldS;
-      for (int64_t c = std::max<int64_t>(0, i0 + r - j0 + 1); c < bn; ++c) s[c] = kNegInf;
-    }
-  }
-  if (pad_status == kSomePadding) {
-    masked = true;
-    const bool* pad = p.pad + b * p.Nk + j0;
-    for (int64_t r = 0; r < bm; ++r) {
-      float* s = S + r * ldS;
-      for (int64_t c = 0; c < bn; ++c) s[c] = pad[c] ? kNegInf : s[c];
-    }
-  }
-  return masked;
-}
 
 // The keys of a tile that some row uses: [lo, hi), and whether keys in between are unused.
 struct UsedKeys {
@@ -237,18 +167,116 @@ struct Blocks {
 // gradient error for peaked softmaxes. So the forward computes S in the backward's tiles
 // (score_tile's unit), at the same origins (the backward tile divides the forward's). (The
 // forward's query tile depends on the thread count: a backward run with another thread count
-// than its forward may get other tiles, which changes only the scores' rounding.)
+// than its forward may get other tiles, which changes only the scores' rounding.) Packed
+// sequences count their own query blocks; a sliding window takes 128-key backward tiles, as
+// causal does, so that the forward's tiles (which start on a backward tile) hug the band.
+inline int64_t query_blocks(const Problem& p, int64_t bm) {
+  if (!p.packed()) return p.B * ((p.Nq + bm - 1) / bm);
+  int64_t blocks = 0;
+  for (int64_t b = 0; b < p.B; ++b) blocks += (p.q_len(b) + bm - 1) / bm;
+  return blocks;
+}
+
 inline Blocks forward_blocks(const Problem& p) {
   int64_t bm = 256;
   const int64_t min_tasks = 4 * at::get_num_threads();
-  while (bm > 32 && p.B * p.H * ((p.Nq + bm - 1) / bm) < min_tasks) bm /= 2;
-  return {std::min(bm, p.Nq), std::min<int64_t>(512, p.Nk)};
+  while (bm > 32 && p.H * query_blocks(p, bm) < min_tasks) bm /= 2;
+  return {std::max<int64_t>(1, std::min(bm, p.Nq)), std::clamp<int64_t>(p.Nk, 1, 512)};
 }
 
 template <typename scalar_t>
 Blocks backward_blocks(const Problem& p) {
-  const int64_t bn = std::is_same_v<scalar_t, float> && !p.causal ? 512 : 128;
-  return {std::min<int64_t>(128, forward_blocks(p).m), std::min<int64_t>(bn, p.Nk)};
+  const int64_t bn = std::is_same_v<scalar_t, float> && !p.causal && !p.has_window() ? 512 : 128;
+  return {std::min<int64_t>(128, forward_blocks(p).m), std::clamp<int64_t>(p.Nk, 1, bn)};
+}
+
+// ---- The rows of the operands. A (sequence, head)'s rows of a dense (B, heads, N, W) tensor, a
+// packed (rows, heads, W) one (the sequence's rows from its offset on) or a paged (pages,
+// page_size, heads, W) cache (row j in page pages[j / page_size]).
+template <typename T>
+struct HeadRows {
+  T* base = nullptr;  // row 0; paged: the head's row 0 of page 0
+  int64_t stride = 0;  // between consecutive rows (of a page)
+  const int32_t* pages = nullptr;
+  int64_t page_size = 0, page_stride = 0;
+  T* row(int64_t j) const {
+    if (pages == nullptr) return base + j * stride;
+    return base + pages[j / page_size] * page_stride + (j % page_size) * stride;
+  }
+  // Rows [j0, j0 + n) as a matrix: in place (leading dimension `stride`) unless they span pages,
+  // then copied into scratch (leading dimension `width`).
+  const T* block(int64_t j0, int64_t n, int64_t width, std::remove_const_t<T>* scratch, int64_t* ld) const {
+    if (pages == nullptr || n == 0 || j0 / page_size == (j0 + n - 1) / page_size) {
+      *ld = stride;
+      return row(j0);
+    }
+    for (int64_t c = 0; c < n; ++c) std::memcpy(scratch + c * width, row(j0 + c), width * sizeof(T));
+    *ld = width;
+    return scratch;
+  }
+};
+
+template <typename T>
+struct Operand {
+  T* data = nullptr;
+  int64_t sb = 0, sh = 0, sn = 0;
+  const int32_t* starts = nullptr;  // packed: each sequence's first row
+  const int32_t* pages = nullptr;   // paged: block_table
+  int64_t pages_per_seq = 0, page_size = 0, page_stride = 0;
+  HeadRows<T> at(int64_t b, int64_t h) const {
+    HeadRows<T> r;
+    r.stride = sn;
+    if (pages != nullptr) {
+      r.base = data + h * sh;
+      r.pages = pages + b * pages_per_seq;
+      r.page_size = page_size;
+      r.page_stride = page_stride;
+    } else {
+      r.base = data + b * sb + h * sh + (starts != nullptr ? starts[b] : 0) * sn;
+    }
+    return r;
+  }
+};
+
+// Query-side tensors: q, out, dout, dq ((B, H, Nq, W) or packed (Tq, H, W)).
+template <typename T>
+Operand<T> query_operand(const at::Tensor& t, const Problem& p) {
+  Operand<T> o;
+  o.data = static_cast<T*>(t.data_ptr());
+  if (p.packed()) {
+    o.sh = t.stride(1);
+    o.sn = t.stride(0);
+    o.starts = p.cu_seq_q;
+  } else {
+    o.sb = t.stride(0);
+    o.sh = t.stride(1);
+    o.sn = t.stride(2);
+  }
+  return o;
+}
+
+// Key-side tensors: k, v, dk, dv ((B, Hk, Nk, W), packed (Tk, Hk, W) or paged (pages, page_size, Hk, W)).
+template <typename T>
+Operand<T> key_operand(const at::Tensor& t, const Problem& p) {
+  Operand<T> o;
+  o.data = static_cast<T*>(t.data_ptr());
+  if (p.paged()) {
+    o.sh = t.stride(2);
+    o.sn = t.stride(1);
+    o.pages = p.block_table;
+    o.pages_per_seq = p.pages_per_seq;
+    o.page_size = p.page_size;
+    o.page_stride = t.stride(0);
+  } else if (p.packed()) {
+    o.sh = t.stride(1);
+    o.sn = t.stride(0);
+    o.starts = p.cu_seq_k;
+  } else {
+    o.sb = t.stride(0);
+    o.sh = t.stride(1);
+    o.sn = t.stride(2);
+  }
+  return o;
 }
 
 // ---- Operands for the packed tile products of cpu_blas.h: bf16 (AMX), and fp32's K^T and V^T.
@@ -337,10 +365,27 @@ inline bool packing_pays_off(int64_t rows_per_block) {
 // the backward recomputes the forward's scores bit for bit (see score_tile). Not with a head dim
 // of 0: over an empty reduction the fp32 register tiles leave the tile unwritten (nor is brgemm
 // relied on there), where gemm writes the zeros that are then the scores (D = 0) or dP (Dv = 0).
+// Packed sequences have none: the blocks are packed per dense (batch, head).
 template <typename scalar_t>
 bool packed_scores(const Problem& p) {
-  return cpu_blas::packed_products_available<scalar_t>() && p.D > 0 && p.Dv > 0 && p.D % 2 == 0 &&
-         packing_pays_off(p.Nq * (p.H / p.Hk));
+  return cpu_blas::packed_products_available<scalar_t>() && !p.packed() && p.D > 0 && p.Dv > 0 &&
+         p.D % 2 == 0 && packing_pays_off(p.Nq * (p.H / p.Hk));
+}
+
+// How the scores are made, decided alike by the forward and the backward: packed products (above);
+// one dot product at a time for decoding (attention_scores.h): with GQA where every sequence has
+// at most kRowwiseMaxRows query rows (the forward then stacks the rows of a group, so each key and
+// value row is read once per key head), without GQA up to kRowwiseMaxRowsMha; else MKL in the
+// backward's units (score_tile). (Measured, one thread, 8192 keys, head dim 128: with GQA 4 the
+// row-wise path took 0.3-0.9x the CPU time of MKL's per head up to 16 rows; without GQA 0.3x at
+// one row, even at 4, but 1.25x at 8 rows in bf16.)
+enum class ScorePath { kUnits, kPacked, kRowwise };
+constexpr int64_t kRowwiseMaxRowsMha = 4;
+
+template <typename scalar_t>
+ScorePath score_path(const Problem& p) {
+  if (packed_scores<scalar_t>(p)) return ScorePath::kPacked;
+  return p.Nq <= (p.H > p.Hk ? kRowwiseMaxRows : kRowwiseMaxRowsMha) ? ScorePath::kRowwise : ScorePath::kUnits;
 }
 
 // C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product. fp32:
@@ -371,8 +416,9 @@ void packed_nt_product(const Blocks& unit, int64_t bm, int64_t bn, int64_t K, co
 
 // S = scale * Q K^T for one (bm x bn) tile: MKL, or the packed product against K^T packed once.
 // The packed products take no alpha, so there the scale is left for the exponent (returned: what
-// S still has to be multiplied by) unless a float mask must be added to scaled scores (or
-// scale <= 0, where max(s) * scale is not the scaled row's max): then it is applied here. MKL
+// S still has to be multiplied by) unless the scaled scores are needed before the softmax (a float
+// mask added to them, soft-capping or ALiBi applied to them) or scale <= 0 (where max(s) * scale
+// is not the scaled row's max): then it is applied here. MKL
 // sums a product in an order that depends on the shape of the call, so its products are made in
 // units of unit.m x unit.n (the backward's tiles; see backward_blocks): the forward and the
 // backward then compute every score the same way. (The packed bf16 path rounds P to bf16, which
@@ -391,7 +437,7 @@ float score_tile(const Problem& p, bool packed, const Blocks& unit, const scalar
     return 1.f;
   }
   packed_nt_product(unit, bm, bn, p.D, qt, qsn, k_tile, ksn, kt_packed, S, ldS);
-  if (p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool)) return p.scale;
+  if (p.scale > 0.f && (p.mask == nullptr || p.mask_is_bool) && !p.transforms_scores()) return p.scale;
   for (int64_t r = 0; r < bm; ++r) scale_row(S + r * ldS, bn, p.scale);
   return 1.f;
 }
