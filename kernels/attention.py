@@ -27,6 +27,8 @@ would miss the tests' 2x-reference-error policy); fp16/bf16 use tensor cores wit
 accumulation.
 """
 
+import functools
+
 import torch
 
 from ._utils import LAUNCH_OPTIONS, cdiv, new_output
@@ -73,9 +75,14 @@ def _alibi_args(alibi_slopes, q):
     return alibi_slopes, alibi_slopes.stride()
 
 
+_NO_WINDOW = (-1, -1)
+
+
 def _window(window, n_q, n_k, packed):
     """(left, right) with -1 for an unbounded side: a dense side that reaches past every key is
     unbounded (one kernel fewer); bounds are capped at 2^30."""
+    if window == _NO_WINDOW:
+        return _NO_WINDOW
     left, right = (int(w) for w in window)
     if not packed:
         if left >= n_k - 1:
@@ -93,18 +100,25 @@ def _scales(scale, softcap):
     return float(scale) * LOG2E, 0.0
 
 
-def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, layout=0):
-    """The constexprs every kernel takes. `window`: as returned by _window."""
-    D, Dv = q.shape[-1], v.shape[-1]
+@functools.lru_cache(maxsize=1024)
+def _meta(D, Dv, fp32, is_causal, mask_kind, has_pad, has_dropout, window_left, window_right, has_softcap, has_alibi,
+          layout):
+    """The constexprs every kernel takes (one dict per combination: launchers only read it)."""
     if max(D, Dv) > 256:  # the public API checks this; the tile tables stop at 256
         raise ValueError(f"the Triton attention kernels take head dims up to 256, got query {D}, value {Dv}")
     block_d, block_dv = block_dims(D, Dv)
-    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=bool(is_causal),
-                MASK_KIND=_mask_kind(attn_mask), HAS_PAD=key_padding_mask is not None,
-                HAS_DROPOUT=dropout_p > 0.0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, HAS_SOFTCAP=bool(softcap),
-                HAS_ALIBI=alibi_slopes is not None, LAYOUT=layout)
+    return dict(HEAD_D=D, HEAD_DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=is_causal, MASK_KIND=mask_kind,
+                HAS_PAD=has_pad, HAS_DROPOUT=has_dropout, DOT_PRECISION="ieee" if fp32 else "tf32",
+                WINDOW_LEFT=window_left, WINDOW_RIGHT=window_right, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
+                LAYOUT=layout)
+
+
+def _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window=_NO_WINDOW, softcap=0.0,
+                 alibi_slopes=None, layout=0):
+    """The constexprs every kernel takes. `window`: as returned by _window."""
+    return _meta(q.shape[-1], v.shape[-1], q.dtype == torch.float32, bool(is_causal), _mask_kind(attn_mask),
+                 key_padding_mask is not None, dropout_p > 0.0, window[0] >= 0, window[1] >= 0, bool(softcap),
+                 alibi_slopes is not None, layout)
 
 
 def _window_keys(window, rows, keys):
