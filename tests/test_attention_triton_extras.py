@@ -198,15 +198,17 @@ def triton_backward(dout, q, k, v, out, lse, **kwargs):
     ((3, -1), False, True),  # left only, with padding and a bool mask
     ((-1, 2), False, False),  # right only
     ((30, 0), True, True),  # bottom-right window intersected with top-left causal, padding, bool mask
+    ((50, 10), False, False),  # wide enough that whole key tiles lie inside every row's band
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_windows(window, is_causal, masks, dtype):
     """Bottom-right aligned windows (Nk > Nq shifts the band right), with causal and masks."""
-    q, k, v = make_qkv(2, 2, 20, 45, 16, dtype=dtype, device=_device())
+    Nq, Nk = (40, 100) if window == (50, 10) else (20, 45)
+    q, k, v = make_qkv(2, 2, Nq, Nk, 16, dtype=dtype, device=_device())
     pad = mask = None
     if masks:
-        pad = random_key_padding(2, 45, fully_padded_row=1, device=_device())
-        mask = random_attn_mask((2, 1, 20, 45), "bool", device=_device())
+        pad = random_key_padding(2, Nk, fully_padded_row=1, device=_device())
+        mask = random_attn_mask((2, 1, Nq, Nk), "bool", device=_device())
     check_dense(q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=is_causal, window=window)
 
 
@@ -400,7 +402,7 @@ def test_rows_after_the_last_sequence_are_written():
     assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
 
 
-def _guarded(t, margin=64):
+def _guarded(t, margin=4096):
     """`t` as a view into a NaN buffer with `margin` elements before and after it: a kernel that
     reads outside `t` picks up NaN."""
     flat = torch.full((t.numel() + 2 * margin,), float("nan"), dtype=t.dtype, device=t.device)
@@ -415,14 +417,14 @@ def test_inconsistent_index_values_stay_inside_the_tensors():
     stays inside q, k, v and the pool (NaN guards around them never reach the output)."""
     H, D = 2, 16
     q, k, v = (_guarded(torch.randn(30, H, D, device=_device())) for _ in range(3))
-    cu_q = torch.tensor([0, 12, 7, 45], dtype=torch.int32, device=_device())
-    cu_k = torch.tensor([-5, 20, 10, 99], dtype=torch.int32, device=_device())
-    used = torch.tensor([-3, 2**30, 8], dtype=torch.int32, device=_device())
+    cu_q = torch.tensor([-4, 12, 7, 45, 50], dtype=torch.int32, device=_device())
+    cu_k = torch.tensor([-5, 20, 10, 99, 120], dtype=torch.int32, device=_device())
+    used = torch.tensor([-3, 2**30, 8, 5], dtype=torch.int32, device=_device())
     for seqused in (None, used):
         out, lse = triton_forward(q, k, v, cu_seq_q=cu_q, cu_seq_k=cu_k, seqused_k=seqused, max_q=40, max_k=40)
         assert not torch.isnan(out).any()
     pool_k, pool_v = (_guarded(torch.randn(4, 5, H, D, device=_device())) for _ in range(2))
-    table = torch.tensor([[3, -1, 7], [2**31 - 1, 0, 1], [1, 2, 3]], dtype=torch.int32, device=_device())
+    table = torch.tensor([[3, -1, 7], [2**31 - 1, 0, 1], [1, 2, 3], [0, 0, 0]], dtype=torch.int32, device=_device())
     for splits in (1, 2):
         out, _ = triton_forward(q, pool_k, pool_v, cu_seq_q=cu_q, seqused_k=used, block_table=table, max_q=40,
                                 max_k=15, num_splits=splits)
