@@ -155,8 +155,7 @@ def attention_fwd_kernel(
     the keys a sequence's block-table row can hold (paged), n_seqs = B; K/V strides b, h, n are
     the pool's page, head and in-page row strides when paged. Out's strides (b, h, row) count
     rows of HEAD_DV elements (so the compiler knows the rows' alignment), Lse's elements (its row
-    stride is 1); n_lse: the number of lse entries
-    (SPLIT: partial results at [split, lse index])."""
+    stride is 1); n_lse: the number of lse entries (SPLIT: partial results at [split, lse index])."""
     pid0 = tl.program_id(0)
     if SPLIT:
         split = pid0 % num_splits
