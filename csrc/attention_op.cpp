@@ -1,10 +1,9 @@
-// Softmax attention's dispatcher layer: the autograd formula of attention_forward (its backward is
-// the attention_backward op; the sinks' gradient is formed here from the saved statistics) and the
+// Softmax attention's dispatcher layer: the autograd node of attention_forward (its backward is the
+// attention_backward op; the sinks' gradient is formed here from the saved statistics) and the
 // autocast kernels of both kernel ops. The public ops' checks are in attention_args.cpp.
+#include "autograd_node.h"
 #include "op_utils.h"
 #include "ops.h"
-
-#include <torch/autograd.h>
 
 #include <array>
 
@@ -28,8 +27,6 @@ TRANSFORMER_FAST_OP(attention_backward_composite, AttentionBackwardCompositeSig)
 
 namespace {
 
-OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
-
 // d loss / d sinks[h] = -sum over the rows of head h of P_sink * delta, with P_sink = exp(sinks[h] -
 // lse) each row's sink probability and delta = dO . O (the kernels' delta): the sink takes
 // probability from every key in proportion, and has no value. (H,), in lse's dtype.
@@ -43,87 +40,57 @@ at::Tensor sinks_gradient(const at::Tensor& dout, const at::Tensor& out, const a
   return packed ? -weighted.sum(1) : -weighted.sum({0, 2});
 }
 
-// The autograd formula of attention_forward: the backward op, with the score gradient dS (the
-// float mask's gradient) computed only when attn_mask requires grad, and the sinks' gradient.
-// The window is passed as two ints (the node keeps them in saved_data).
-class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
- public:
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-      const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p,
-      int64_t seed, int64_t window_left, int64_t window_right, double softcap, const OptTensor& alibi_slopes,
-      const OptTensor& sinks, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k,
-      const OptTensor& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!seqused_k.has_value() && !block_table.has_value(),
-                                "varlen_attn: seqused_k and block_table are inference-only (no backward); call it "
-                                "under torch.no_grad() or with inputs that do not require grad");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const std::array<int64_t, 2> window{window_left, window_right};
-    auto [out, lse] = attention_forward_op().call(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                                  seed, window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k,
-                                                  seqused_k, block_table, max_q, max_k, num_splits);
-    const auto tensor = [](const OptTensor& t) { return t.value_or(at::Tensor()); };
-    ctx->save_for_backward({q, k, v, out, lse, tensor(attn_mask), tensor(key_padding_mask), tensor(alibi_slopes),
-                            tensor(sinks), tensor(cu_seq_q), tensor(cu_seq_k)});
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["seed"] = seed;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["max_q"] = max_q;
-    ctx->saved_data["max_k"] = max_k;
-    // Input edges exist for the tensors given, in argument order: q, k, v, then attn_mask, the
-    // padding mask and the ALiBi slopes where given; then sinks.
-    ctx->saved_data["sinks_edge"] = static_cast<int64_t>(3 + attn_mask.has_value() +
-                                                         key_padding_mask.has_value() + alibi_slopes.has_value());
-    ctx->mark_non_differentiable({lse});
-    // The statistics never get a gradient: no zero tensors are made for them (undefined grads are
-    // handled in backward), which measurably costs a small call's backward.
-    ctx->set_materialize_grads(false);
-    return {out, lse};
+// The autograd node of attention_forward: its backward is the attention_backward op, with the score
+// gradient dS (the float mask's gradient) computed only when attn_mask needs a gradient, and the
+// sinks' gradient. Next edges: q, k, v, attn_mask, sinks (empty where absent); input: the
+// gradient of out (lse is not differentiable).
+struct AttentionBackward : public torch::autograd::Node {
+  std::string name() const override { return "transformer_fast::AttentionBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* t : {&q_, &k_, &v_, &out_, &lse_, &attn_mask_, &key_padding_mask_, &alibi_slopes_, &sinks_,
+                    &cu_seq_q_, &cu_seq_k_}) {
+      t->reset_data();
+    }
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const OptTensor attn_mask = optional(saved[5]), key_padding_mask = optional(saved[6]);
-    const OptTensor alibi_slopes = optional(saved[7]), sinks = optional(saved[8]);
-    const OptTensor cu_seq_q = optional(saved[9]), cu_seq_k = optional(saved[10]);
-    const bool is_causal = ctx->saved_data["is_causal"].toBool();
-    const double scale = ctx->saved_data["scale"].toDouble(), dropout_p = ctx->saved_data["dropout_p"].toDouble();
-    const double softcap = ctx->saved_data["softcap"].toDouble();
-    const std::array<int64_t, 2> window{ctx->saved_data["window_left"].toInt(),
-                                        ctx->saved_data["window_right"].toInt()};
-    const int64_t max_q = ctx->saved_data["max_q"].toInt(), max_k = ctx->saved_data["max_k"].toInt();
-    const bool mask_grad = attn_mask.has_value() && ctx->needs_input_grad(3);  // attn_mask is the fourth edge
-    const bool sinks_grad = sinks.has_value() && ctx->needs_input_grad(ctx->saved_data["sinks_edge"].toInt());
-    const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    at::Tensor dq, dk, dv, dmask, dsinks;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack(), out = out_.unpack(getptr());
+    const at::Tensor lse = lse_.unpack();
+    const OptTensor attn_mask = defined_or_none(attn_mask_.unpack());
+    const OptTensor key_padding_mask = defined_or_none(key_padding_mask_.unpack());
+    const OptTensor alibi_slopes = defined_or_none(alibi_slopes_.unpack()), sinks = defined_or_none(sinks_.unpack());
+    const OptTensor cu_seq_q = defined_or_none(cu_seq_q_.unpack()), cu_seq_k = defined_or_none(cu_seq_k_.unpack());
+    const bool mask_grad = attn_mask.has_value() && task_should_compute_output(3);
+    const bool sinks_grad = sinks.has_value() && task_should_compute_output(4);
+    torch::autograd::variable_list result(5);
+    if (!grads[0].defined()) return result;
+    const at::Tensor& dout = grads[0];
+    at::Tensor dmask, dsinks;
     if (at::GradMode::is_enabled()) {  // create_graph=True: a second derivative will be taken
       TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0,
                                   "transformer_fast attention: second derivatives (create_graph=True) are not "
                                   "supported with dropout_p > 0");
-      std::tie(dq, dk, dv, dmask, dsinks) =
-          attention_backward_composite_op().call(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window,
-                                                 softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k);
+      std::tie(result[0], result[1], result[2], dmask, dsinks) = attention_backward_composite_op().call(
+          dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window, softcap, alibi_slopes, sinks,
+          cu_seq_q, cu_seq_k);
     } else {
-      std::tie(dq, dk, dv, dmask) = attention_backward_op().call(
-          dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-          ctx->saved_data["seed"].toInt(), mask_grad, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k);
+      std::tie(result[0], result[1], result[2], dmask) = attention_backward_op().call(
+          dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, mask_grad, window,
+          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k);
       if (sinks_grad) dsinks = sinks_gradient(dout, out, lse, *sinks, cu_seq_q.has_value());
     }
-    // Autograd sums dS over the mask's broadcast dims. One entry per forward argument.
-    torch::autograd::variable_list result(21);
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    if (mask_grad) result[3] = dmask;
-    if (sinks_grad) result[13] = dsinks;
+    if (mask_grad) result[3] = dmask;  // autograd sums dS over the mask's broadcast dims
+    if (sinks_grad) result[4] = dsinks;
     return result;
   }
+
+  torch::autograd::SavedVariable q_, k_, v_, out_, lse_, attn_mask_, key_padding_mask_, alibi_slopes_, sinks_,
+      cu_seq_q_, cu_seq_k_;
+  bool is_causal = false;
+  double scale = 1.0, dropout_p = 0.0, softcap = 0.0;
+  int64_t seed = 0, max_q = 0, max_k = 0;
+  std::array<int64_t, 2> window{-1, -1};
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
@@ -132,17 +99,42 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
     at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
     int64_t max_q, int64_t max_k, int64_t num_splits) {
-  if (!requires_grad(q, k, v, attn_mask, sinks)) {  // nothing to record: no autograd node (~2 us)
+  const bool record = requires_grad(q, k, v, attn_mask, sinks);
+  TORCH_CHECK_NOT_IMPLEMENTED(!record || (!seqused_k.has_value() && !block_table.has_value()),
+                              "varlen_attn: seqused_k and block_table are inference-only (no backward); call it "
+                              "under torch.no_grad() or with inputs that do not require grad");
+  at::Tensor out, lse;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return attention_forward_op().call(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                                       window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k,
-                                       block_table, max_q, max_k, num_splits);
+    std::tie(out, lse) = attention_forward_op().call(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                                     dropout_p, seed, window, softcap, alibi_slopes, sinks, cu_seq_q,
+                                                     cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits);
   }
+  if (!record) return {out, lse};  // nothing to record: no autograd node
   TORCH_CHECK_VALUE(window.size() == 2, "window must have two entries, got ", window.size());
-  auto result = AttentionFunction::apply(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                                         window[0], window[1], softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k,
-                                         seqused_k, block_table, max_q, max_k, num_splits);
-  return {result[0], result[1]};
+  auto node = make_node<AttentionBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, attn_mask, sinks));
+  torch::autograd::set_history(out, node);
+  node->q_ = torch::autograd::SavedVariable(q, false);
+  node->k_ = torch::autograd::SavedVariable(k, false);
+  node->v_ = torch::autograd::SavedVariable(v, false);
+  node->out_ = torch::autograd::SavedVariable(out, true);
+  node->lse_ = torch::autograd::SavedVariable(lse, false);
+  node->attn_mask_ = saved(attn_mask);
+  node->key_padding_mask_ = saved(key_padding_mask);
+  node->alibi_slopes_ = saved(alibi_slopes);
+  node->sinks_ = saved(sinks);
+  node->cu_seq_q_ = saved(cu_seq_q);
+  node->cu_seq_k_ = saved(cu_seq_k);
+  node->is_causal = is_causal;
+  node->scale = scale;
+  node->dropout_p = dropout_p;
+  node->softcap = softcap;
+  node->seed = seed;
+  node->max_q = max_q;
+  node->max_k = max_k;
+  node->window = {window[0], window[1]};
+  return {out, lse};
 }
 
 // Called through the dispatcher (as torch.compile's graphs call them), the kernel ops cast their

@@ -121,7 +121,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return with_extras(tf::attention_args(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                           key_padding_mask, optional_array(window_size), softcap, alibi_slopes,
                                           sinks));
-  });
+  }, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"), py::arg("dropout_p"),
+     py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("key_padding_mask"),
+     py::arg("window_size") = py::none(), py::arg("softcap") = py::none(), py::arg("alibi_slopes") = py::none(),
+     py::arg("sinks") = py::none());
   m.def("varlen_args", [with_extras](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
                                      int64_t max_q, int64_t max_k, std::optional<double> scale,

@@ -249,6 +249,12 @@ void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t N, at:
               t.strides());
 }
 
+// The (rows, width) matrix of a (..., width) tensor: a view where the leading dims flatten, else a copy.
+at::Tensor rows_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 1, "layer_norm: ", name, " must have at least one dimension");
+  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+}
+
 // Rows per parallel task: at least ~32K elements, so narrow rows are not scheduled one by one.
 int64_t row_grain(int64_t N) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(N, 1)); }
 
@@ -410,9 +416,12 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor&
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
+    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool is_rms) {
-  TORCH_CHECK(x.dim() == 2, "layer_norm_forward: x must be 2-D (rows, width), got ", x.sizes());
+  const at::Tensor x = rows_of(x_in, "x");
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() && residual_in->defined() ? std::optional<at::Tensor>(rows_of(*residual_in, "residual"))
+                                                        : std::nullopt;
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK(N >= 1, "layer_norm_forward: the row width must be >= 1");
   check_rows(x, "x", M, N, x.scalar_type());
@@ -435,15 +444,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
       else forward_impl<scalar_t, false, false>(x, r, h, y, w, b, mean, rstd, eps);
     }
   });
-  return {y, h, mean, rstd};
+  return {y.view(x_in.sizes()), has_residual ? h.view(x_in.sizes()) : h, mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
-    const at::Tensor& dy, const std::optional<at::Tensor>& dh, const at::Tensor& h,
+    const at::Tensor& dy_in, const std::optional<at::Tensor>& dh_in, const at::Tensor& h_in,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double eps, bool is_rms) {
   (void)eps;
-  TORCH_CHECK(h.dim() == 2, "layer_norm_backward: h must be 2-D (rows, width), got ", h.sizes());
+  const at::Tensor h = rows_of(h_in, "h"), dy = rows_of(dy_in, "dy");
+  const std::optional<at::Tensor> dh =
+      dh_in.has_value() && dh_in->defined() ? std::optional<at::Tensor>(rows_of(*dh_in, "dh")) : std::nullopt;
   const int64_t M = h.size(0), N = h.size(1);
   TORCH_CHECK(N >= 1, "layer_norm_backward: the row width must be >= 1");
   check_rows(h, "h", M, N, h.scalar_type());
@@ -480,8 +491,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     if (is_rms) backward_impl<scalar_t, true>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, num_blocks);
     else backward_impl<scalar_t, false>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, num_blocks);
   });
-  // Final reduce over the blocks, in block order.
+  // Final reduce over the blocks, in block order (one block: its row is the sum).
   auto reduce = [&](const at::Tensor& partial, at::ScalarType dtype) {
+    if (num_blocks == 1) return partial[0].narrow(0, 0, N).to(dtype);
     at::Tensor total = at::empty({N}, fopts);
     const float* p = partial.const_data_ptr<float>();
     float* t = total.data_ptr<float>();
@@ -497,7 +509,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   at::Tensor dweight, dbias;
   if (w.defined()) dweight = reduce(dw_partial, weight->scalar_type());
   if (has_bias) dbias = reduce(db_partial, bias->scalar_type());
-  return {dx, dweight, dbias};
+  return {dx.view(h_in.sizes()), dweight, dbias};
 }
 
 }  // namespace transformer_fast

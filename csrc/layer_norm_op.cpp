@@ -1,5 +1,6 @@
 // LayerNorm/RMSNorm's dispatcher layer: the public op's argument checks, the autograd formula of
 // layer_norm_forward (its backward is the layer_norm_backward op) and the autocast kernels.
+#include "autograd_node.h"
 #include "op_utils.h"
 #include "ops.h"
 
@@ -25,12 +26,14 @@ TRANSFORMER_FAST_OP(layer_norm_backward_composite, LayerNormBackwardCompositeSig
 
 namespace {
 
-// (rows, width) with a unit stride along the width: a view where the strides allow it (a slice
-// along a leading dim does), else a copy.
-at::Tensor as_rows(const at::Tensor& t, const c10::SymInt& width) {
-  if (t.dim() == 2 && t.sym_size(1) == width && (width <= 1 || t.sym_stride(1) == 1)) return t;
-  const at::Tensor rows = t.reshape_symint({-1, width});
-  return rows.sym_size(1) <= 1 || rows.sym_stride(1) == 1 ? rows : rows.contiguous();
+// t with the normalised dims as one last dim of `width` elements and a unit stride along it: t itself
+// (or a copy with a unit last stride) where one dim is normalised, else a view or a copy. Leading
+// dims are kept, so that autograd records no view for the usual one-dim case.
+at::Tensor normalised_last(const at::Tensor& t, const c10::SymInt& width, int64_t normalized_dims) {
+  if (normalized_dims == 1) return with_unit_last_stride(t);
+  std::vector<c10::SymInt> shape(t.sym_sizes().begin(), t.sym_sizes().end() - normalized_dims);
+  shape.push_back(width);
+  return with_unit_last_stride(t.reshape_symint(shape));
 }
 
 double machine_epsilon(at::ScalarType dtype) {
@@ -42,38 +45,28 @@ double machine_epsilon(at::ScalarType dtype) {
   }
 }
 
-class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const std::optional<at::Tensor>& residual,
-                                                const std::optional<at::Tensor>& weight,
-                                                const std::optional<at::Tensor>& bias, double eps, bool is_rms) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, h, mean, rstd] = layer_norm_forward_op().call(x, residual, weight, bias, eps, is_rms);
-    const bool has_residual = residual.has_value();
-    // Only the statistics are saved besides the normalised input (never a normalised copy).
-    ctx->save_for_backward({has_residual ? h : x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                            mean, rstd});
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["is_rms"] = is_rms;
-    ctx->saved_data["has_residual"] = has_residual;
-    ctx->mark_non_differentiable({mean, rstd});
-    // The statistics never get a gradient: no zero tensors are made for them (undefined grads are
-    // handled in backward), which measurably costs a small call's backward.
-    ctx->set_materialize_grads(false);
-    return {y, h, mean, rstd};
+// The autograd node of layer_norm_forward: its backward is the layer_norm_backward op. Next edges:
+// x, residual, weight, bias (empty where absent); inputs: the gradients of y and, with a residual,
+// of h. Only the statistics are saved besides the normalised input (never a normalised copy).
+struct LayerNormBackward : public torch::autograd::Node {
+  std::string name() const override { return "transformer_fast::LayerNormBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    h_.reset_data();
+    weight_.reset_data();
+    bias_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& h = saved[0];
-    const auto optional = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
-    const auto weight = optional(saved[1]), bias = optional(saved[2]);
-    const double eps = ctx->saved_data["eps"].toDouble();
-    const bool is_rms = ctx->saved_data["is_rms"].toBool(), has_residual = ctx->saved_data["has_residual"].toBool();
-    const at::Tensor dy = with_unit_last_stride(grads[0].defined() ? grads[0] : at::zeros_like(h));
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    // h is this node's own output where there is a residual (x + residual), else the input x.
+    const at::Tensor h = has_residual ? h_.unpack(getptr()) : h_.unpack();
+    const auto weight = defined_or_none(weight_.unpack()), bias = defined_or_none(bias_.unpack());
     const bool has_dh = has_residual && grads[1].defined();
+    torch::autograd::variable_list result(4);
+    if (!grads[0].defined() && !has_dh) return result;
+    const at::Tensor dy = with_unit_last_stride(grads[0].defined() ? grads[0] : at::zeros_like(h));
     at::Tensor dx, dweight, dbias;
     if (at::GradMode::is_enabled()) {  // create_graph=True: a second derivative will be taken
       // Through the saved h (x + residual, this op's own output) torch reaches x and the residual.
@@ -82,21 +75,44 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     } else {
       const std::optional<at::Tensor> dh =
           has_dh ? std::optional<at::Tensor>(with_unit_last_stride(grads[1])) : std::nullopt;
-      std::tie(dx, dweight, dbias) = layer_norm_backward_op().call(dy, dh, h, weight, bias, saved[3], saved[4], eps, is_rms);
+      std::tie(dx, dweight, dbias) =
+          layer_norm_backward_op().call(dy, dh, h, weight, bias, mean_.unpack(), rstd_.unpack(), eps, is_rms);
     }
-    return {dx, has_residual ? dx : at::Tensor(), weight ? dweight : at::Tensor(), bias ? dbias : at::Tensor(), at::Tensor(), at::Tensor()};
+    result[0] = dx;
+    if (has_residual) result[1] = dx;
+    if (weight.has_value()) result[2] = dweight;
+    if (bias.has_value()) result[3] = dbias;
+    return result;
   }
+
+  torch::autograd::SavedVariable h_, weight_, bias_, mean_, rstd_;
+  double eps = 0.0;
+  bool is_rms = false, has_residual = false;
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_autograd(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, bool is_rms) {
-  if (!requires_grad(x, residual, weight, bias)) {  // nothing to record: no autograd node
+  at::Tensor y, h, mean, rstd;
+  {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return layer_norm_forward_op().call(x, residual, weight, bias, eps, is_rms);
+    std::tie(y, h, mean, rstd) = layer_norm_forward_op().call(x, residual, weight, bias, eps, is_rms);
   }
-  auto r = LayerNormFunction::apply(x, residual, weight, bias, eps, is_rms);
-  return {r[0], r[1], r[2], r[3]};
+  if (!requires_grad(x, residual, weight, bias)) return {y, h, mean, rstd};  // nothing to record
+  const bool has_residual = residual.has_value();
+  auto node = make_node<LayerNormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias));
+  node->eps = eps;
+  node->is_rms = is_rms;
+  node->has_residual = has_residual;
+  torch::autograd::set_history(y, node);
+  if (has_residual) torch::autograd::set_history(h, node);
+  node->h_ = torch::autograd::SavedVariable(has_residual ? h : x, /*is_output=*/has_residual);
+  node->weight_ = saved(weight);
+  node->bias_ = saved(bias);
+  node->mean_ = torch::autograd::SavedVariable(mean, false);
+  node->rstd_ = torch::autograd::SavedVariable(rstd, false);
+  return {y, h, mean, rstd};
 }
 
 template <c10::DeviceType device>
@@ -184,8 +200,9 @@ LayerNormArgs layer_norm_args(const at::Tensor& input, c10::SymIntArrayRef norma
     if (weight.has_value()) weight = weight->reshape_symint({width});
     if (bias.has_value()) bias = bias->reshape_symint({width});
   }
-  return {as_rows(x, width), residual.has_value() ? std::optional<at::Tensor>(as_rows(*residual, width)) : std::nullopt,
-          weight, bias, eps, false};
+  return {normalised_last(x, width, n),
+          residual.has_value() ? std::optional<at::Tensor>(normalised_last(*residual, width, n)) : std::nullopt, weight,
+          bias, eps, false};
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -198,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> layer_norm(const at::Tensor& input, c10::SymI
     return {h.clone(), a.residual.has_value() ? h : a.x.new_empty({0})};
   }
   auto [y, h, mean, rstd] = layer_norm_forward_op().call(a.x, a.residual, a.weight, a.bias, a.eps, is_rms);
-  if (input.dim() == 2 && normalized_shape.size() == 1) return {y, h};
+  if (normalized_shape.size() == 1) return {y, h};
   const auto shape = input.sym_sizes();
   return {y.view_symint(shape), a.residual.has_value() ? h.view_symint(shape) : h};
 }

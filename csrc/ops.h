@@ -104,8 +104,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_attn(
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
                                                           int64_t seed);
 
-// x and residual as (rows, width); weight and bias flattened to (width,); rows_empty when the
-// rows have no elements (then only x, residual and the result shape mean anything).
+// x and residual with the normalised dims as one last dim (unit stride); weight and bias flattened
+// to (width,); rows_empty when the rows have no elements (then only x, residual and the result
+// shape mean anything).
 struct LayerNormArgs {
   at::Tensor x;
   std::optional<at::Tensor> residual, weight, bias;

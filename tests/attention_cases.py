@@ -56,30 +56,38 @@ def random_attn_mask(shape, kind, *, dtype=torch.float32, device="cpu"):
 
 
 def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                    grads=True, atol=None, factor=2.0, attention=None):
-    """Output (and q, k, v gradients) of tf.scaled_dot_product_attention on `backend` against the
-    float64 reference, with the package's comparison policy (`factor` x the reference's error +
-    `atol`). `attention`: another function with its signature to check instead (`backend` then
-    only names it in messages)."""
+                    grads=True, atol=None, factor=2.0, attention=None, window_size=None, softcap=None,
+                    alibi_slopes=None, sinks=None):
+    """Output (and q, k, v gradients, and the sinks' where given) of tf.scaled_dot_product_attention
+    on `backend` against the float64 reference, with the package's comparison policy (`factor` x
+    the reference's error + `atol`). `attention`: another function with its signature to check
+    instead (`backend` then only names it in messages)."""
     gqa = k.shape[1] != q.shape[1]
     attention = attention or functools.partial(tf.scaled_dot_product_attention, backend=backend)
+    extras = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
-    def kernel(q, k, v):
+    def kernel(q, k, v, sinks=None):
         return attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa,
-                         key_padding_mask=key_padding_mask)
+                         key_padding_mask=key_padding_mask, **_given(extras, sinks=sinks))
 
-    def ref(q, k, v):
+    def ref(q, k, v, sinks=None):
         mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
         return reference.scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
-                                                      key_padding_mask=key_padding_mask)
+                                                      key_padding_mask=key_padding_mask, sinks=sinks, **extras)
 
-    def flash(inputs, dout):
-        return flash_gradients(*inputs, dout, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                               is_causal=is_causal, scale=scale)
+    def flash(inputs, dout):  # inputs: q, k, v[, sinks]
+        return flash_gradients(*inputs[:3], dout, *inputs[3:], attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                               is_causal=is_causal, scale=scale, **extras)
 
-    return compare_with_reference(kernel, ref, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    return compare_with_reference(kernel, ref, inputs, grad_inputs=tuple(range(len(inputs))) if grads else (),
                                   what=f"attention[{backend}]", atol=atol, factor=factor,
                                   gradient_formulation=flash)
+
+
+def _given(kwargs, **more):
+    """The keyword arguments that are not None."""
+    return {k: v for k, v in {**kwargs, **more}.items() if v is not None}
 
 
 def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.0, what="dV"):
@@ -103,14 +111,16 @@ def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.
                               what=what, factor=factor, atol=0.0)
 
 
-def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
-    """dq, dk, dv by FlashAttention-2's backward equations, unfused, with fp32 arithmetic on the
-    inputs' values: P = exp(S - lse), dS = P * (dP - delta) with delta = rowsum(dO * O) taken from
-    O as stored (in the inputs' dtype). The kernels use this delta, as FlashAttention-2 does, and it
-    carries an error that autograd's delta = rowsum(P * dP) does not: where one key takes all of
-    a row's probability, autograd's dS cancels to exactly 0 and this one is off by a rounding of
-    |dO| |O|; with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels
-    both show it.) So its error, too, counts as the reference's error in the inputs' dtype."""
+def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
+                    scale=None, window_size=None, softcap=None, alibi_slopes=None):
+    """dq, dk, dv (and dsinks, where sinks are given) by FlashAttention-2's backward equations,
+    unfused, with fp32 arithmetic on the inputs' values: P = exp(S - lse), dS = P * (dP - delta)
+    with delta = rowsum(dO * O) taken from O as stored (in the inputs' dtype), through the
+    soft-capping's tanh. The kernels use this delta, as FlashAttention-2 does, and it carries an
+    error that autograd's delta = rowsum(P * dP) does not: where one key takes all of a row's
+    probability, autograd's dS cancels to exactly 0 and this one is off by a rounding of |dO| |O|;
+    with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels both show
+    it.) So its error, too, counts as the reference's error in the inputs' dtype."""
     dtype = q.dtype
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -118,19 +128,31 @@ def flash_gradients(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_
     qf, kf, vf, dof = (t.detach().float() for t in (q, k, v, dout))
     kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     scale = D ** -0.5 if scale is None else scale
-    s = qf @ kf.transpose(-2, -1) * scale + reference.attention_bias(
+    raw = qf @ kf.transpose(-2, -1) * scale
+    s = softcap * torch.tanh(raw / softcap) if softcap else raw
+    s = s + reference.attention_bias(
         Nq, Nk, batch=B, heads=H, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-        dtype=torch.float32, device=q.device)
+        window_size=window_size, alibi_slopes=alibi_slopes, dtype=torch.float32, device=q.device)
     no_key = torch.isneginf(s).all(dim=-1, keepdim=True)
-    lse = torch.logsumexp(s.masked_fill(no_key, 0.0), dim=-1, keepdim=True)
+    columns = s.masked_fill(no_key, float("-inf") if sinks is not None else 0.0)
+    if sinks is not None:
+        columns = torch.cat([columns, sinks.detach().float()[None, :, None, None].expand(B, H, Nq, 1)], dim=-1)
+    lse = torch.logsumexp(columns, dim=-1, keepdim=True)
     p = torch.exp(s - lse).masked_fill(no_key, 0.0)
     out = (p @ vf).to(dtype).float()
     dp = dof @ vf.transpose(-2, -1)
-    ds = p * (dp - (dof * out).sum(dim=-1, keepdim=True))
+    delta = (dof * out).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta)
+    if softcap:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
     dq = ds @ kf * scale
     dk = (ds.transpose(-2, -1) @ qf * scale).unflatten(1, (Hk, group)).sum(dim=2)
     dv = (p.transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    grads = [dq.to(dtype), dk.to(dtype), dv.to(dtype)]
+    if sinks is not None:
+        p_sink = torch.exp(sinks.detach().float()[None, :, None, None] - lse)
+        grads.append(-(p_sink * delta).sum(dim=(0, 2, 3)).to(sinks.dtype))
+    return tuple(grads)
 
 
 # The full grid on a GPU: every length pair for a head dim, dtype and causality; batch, heads,

@@ -57,7 +57,7 @@ def emulated_attention(ext, tiles=(32, 32, 32), dropout_p=0.0, seed=0):
     """tf.scaled_dot_product_attention's signature, through the emulated CUDA kernels; tiles: the
     forward's key tile, dQ's key tile and dK/dV's query tile (32, 16 or 8 on a GPU, by shared memory)."""
     def attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=True, key_padding_mask=None):
-        q, k, v, mask, pad, scale, _ = tf._C.attention_args(q, k, v, attn_mask, dropout_p, bool(is_causal), scale,
+        q, k, v, mask, pad, scale, _, _ = tf._C.attention_args(q, k, v, attn_mask, dropout_p, bool(is_causal), scale,
                                                             bool(enable_gqa), key_padding_mask)
         return _Emulated.apply(ext, q, k, v, mask, pad, bool(is_causal), float(scale), dropout_p, seed, tiles)
     return attention

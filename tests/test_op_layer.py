@@ -34,14 +34,25 @@ def _op_cases():
     qs, ks, vs = (t.detach() for t in (q, k, v))
     lq, lk, lv = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, 4, 5, 8)
+    slopes, sinks = torch.rand(2, 4), torch.randn(4, requires_grad=True)
+    extras = ([3, 1], 2.0, slopes)
+    out_x, lse_x = ops.attention_forward(qs, ks, vs, None, pad, False, 0.3, 0.0, 0, *extras, sinks.detach())
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 2, 6, 10], dtype=torch.int32)
+    pq, pk, pv = torch.randn(8, 4, 8, requires_grad=True), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
     return {
         "attention_forward": (ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0)),
+        "attention_forward extras": (ops.attention_forward, (q, k, v, None, pad, False, 0.3, 0.0, 0, *extras, sinks)),
+        "attention_forward packed": (ops.attention_forward, (pq, pk, pv, None, None, False, 0.3, 0.0, 0, [-1, 0], 0.0,
+                                                             torch.rand(3, 4), None, cu_q, cu_k, None, None, 5, 4)),
+        "attention_backward extras": (ops.attention_backward, (dout, qs, ks, vs, out_x, lse_x, None, pad, False, 0.3,
+                                                               0.0, 0, False, *extras)),
         "attention_forward dropout": (ops.attention_forward, (q, k, v, None, None, False, 0.3, 0.25, 7)),
         "attention_backward": (ops.attention_backward, (dout, qs, ks, vs, out, lse, mask, pad, True, 0.3, 0.0, 0, True)),
         "attention_backward_composite": (ops.attention_backward_composite, (dout, qs, ks, vs, mask, pad, True, 0.3)),
         "scaled_dot_product_attention": (ops.scaled_dot_product_attention, (q, k, v, None, 0.0, True),
                                          {"enable_gqa": True, "key_padding_mask": pad}),
         "layer_norm_forward": (ops.layer_norm_forward, (x, r, w, b, 1e-5, False)),
+        "layer_norm_forward 3d": (ops.layer_norm_forward, (x.view(2, 3, 16), r.view(2, 3, 16), w, b, 1e-5, False)),
         "layer_norm_forward rms": (ops.layer_norm_forward, (x, None, w, None, 1e-6, True)),
         "layer_norm_backward": (ops.layer_norm_backward,
                                 (torch.randn(6, 16), torch.randn(6, 16), h, w.detach(), b.detach(), mean, rstd, 1e-5,
@@ -57,6 +68,8 @@ def _op_cases():
                                                 (torch.randn(2, 3, 5, 8), lq.detach(), lk.detach(), lv.detach(), None,
                                                  True, 1e-6)),
         "linear_attention": (ops.linear_attention, (lq, lk, lv, False, pad, 1e-6)),
+        "varlen_attn": (ops.varlen_attn, (pq, pk, pv, cu_q, cu_k, 5, 4, True, None, [2, 0], True),
+                        {"softcap": 3.0, "sinks": sinks}),
     }
 
 

@@ -57,21 +57,28 @@ def _stats_dtype(x):
 
 def _layer_norm_forward(kernel):
     def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
-        if x.shape[0] == 0:
+        shape = x.shape
+        if x.numel() == 0:
             stats = x.new_empty(0, dtype=_stats_dtype(x))
-            return x.new_empty(x.shape), (x.new_empty(x.shape) if residual is not None else _empty(x)), stats, stats
-        y, h, mean, rstd = kernel(x, residual, weight, bias, eps, is_rms)
-        return y, (_empty(x) if h is None else h), (_empty(rstd) if mean is None else mean), rstd
+            return x.new_empty(shape), (x.new_empty(shape) if residual is not None else _empty(x)), stats, stats
+        rows = x.reshape(-1, shape[-1])
+        y, h, mean, rstd = kernel(rows, None if residual is None else residual.reshape(-1, shape[-1]), weight, bias,
+                                  eps, is_rms)
+        return (y.view(shape), _empty(x) if h is None else h.view(shape), _empty(rstd) if mean is None else mean,
+                rstd)
     return layer_norm_forward
 
 
 def _layer_norm_backward(kernel):
     def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
-        if h.shape[0] == 0:
+        if h.numel() == 0:
             return (torch.zeros_like(h), torch.zeros_like(weight) if weight is not None else _empty(h),
                     torch.zeros_like(bias) if bias is not None else _empty(h))
-        dx, dweight, dbias = kernel(dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
-        return dx, (_empty(h) if dweight is None else dweight), (_empty(h) if dbias is None else dbias)
+        width = h.shape[-1]
+        dx, dweight, dbias = kernel(dy.reshape(-1, width), None if dh is None else dh.reshape(-1, width),
+                                    h.reshape(-1, width), weight, bias, None if is_rms else mean, rstd, eps, is_rms)
+        return (dx.view(h.shape), _empty(h) if dweight is None else dweight,
+                _empty(h) if dbias is None else dbias)
     return layer_norm_backward
 
 

@@ -106,13 +106,13 @@ class LayerNorm(torch.autograd.Function):
     def backward(ctx, dy, dh):
         h, weight, bias, mean, rstd = ctx.saved_tensors
         backend, eps, is_rms, has_residual = ctx.args
-        dy = dy if dy.shape[1] <= 1 or dy.stride(1) == 1 else dy.contiguous()
+        dy = dy if dy.shape[-1] <= 1 or dy.stride(-1) == 1 else dy.contiguous()
         if torch.is_grad_enabled():  # create_graph=True
             dx, dweight, dbias = _composite.layer_norm_backward(dy, h, weight, bias, eps, is_rms)
             if has_residual and dh is not None:
                 dx = dx + dh
         else:
-            if has_residual and dh is not None and dh.shape[1] > 1 and dh.stride(1) != 1:
+            if has_residual and dh is not None and dh.shape[-1] > 1 and dh.stride(-1) != 1:
                 dh = dh.contiguous()
             with autocast_off():
                 dx, dweight, dbias = _kernel("layer_norm_backward", backend, h)(
@@ -157,7 +157,8 @@ def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, d
 
 
 def layer_norm(backend, x, residual, weight, bias, eps, is_rms):
-    """(y, h) on checked rows (layer_norm_args); backend None: the composite form."""
+    """(y, h) on checked arguments (layer_norm_args: the normalised dims as the last); backend None: the
+    composite form."""
     if backend is None:
         with autocast_off():
             y, h, _, _ = _composite.layer_norm_forward(x, residual, weight, bias, eps, is_rms)

@@ -74,13 +74,39 @@ def softmax_with_sinks(scores, sinks=None):
     return probs, lse.squeeze(-1)
 
 
-def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes):
+def check_offsets(name, offsets, total):
+    """Cumulative lengths: from 0, nondecreasing, within the packed tensor's `total` rows."""
+    if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
+        raise ValueError(f"{name} must start at 0, be nondecreasing and end at most at {total} (the packed rows), "
+                         f"got {offsets}")
+
+
+def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes, max_q=None, max_k=None):
     """Packed inputs as dense (1, H, n, D) problems, one per sequence: yields (b, query rows, key
     rows, q, k, v, alibi slopes (1, H)); the key rows are a slice of the packed keys, or None for
     a paged cache."""
     cu_q = cu_seq_q.tolist()
     cu_k = cu_seq_k.tolist() if cu_seq_k is not None else None
     used = seqused_k.tolist() if seqused_k is not None else None
+    check_offsets("cu_seq_q", cu_q, q.shape[0])
+    if cu_k is not None:
+        check_offsets("cu_seq_k", cu_k, k.shape[0])
+    if block_table is not None:
+        pages = block_table.shape[1] * k.shape[1]
+        slots = [pages] * (len(cu_q) - 1)
+        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
+            raise ValueError(f"block_table entries must be page indices in [0, {k.shape[0]}), got values from "
+                             f"{int(block_table.min())} to {int(block_table.max())}")
+    else:
+        slots = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
+    if used is not None:
+        for b, (n, slot) in enumerate(zip(used, slots)):
+            if not 0 <= n <= slot:
+                raise ValueError(f"seqused_k[{b}] must be in [0, {slot}] (the keys its sequence holds), got {n}")
+    lengths_k = used if used is not None else slots
+    for name, bound, lengths in (("max_q", max_q, [b - a for a, b in zip(cu_q, cu_q[1:])]), ("max_k", max_k, lengths_k)):
+        if bound is not None and lengths and max(lengths) > bound:
+            raise ValueError(f"{name} must be at least the longest sequence, {max(lengths)}, got {bound}")
     for b in range(len(cu_q) - 1):
         rows_q = slice(cu_q[b], cu_q[b + 1])
         if block_table is not None:
@@ -105,7 +131,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=c, device=q.device)
         for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
-                                                          alibi_slopes):
+                                                          alibi_slopes, max_q, max_k):
             ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
                                        slopes, sinks)
             out[rows_q] = ob[0].transpose(0, 1)

@@ -1,13 +1,15 @@
 """LayerNorm and RMSNorm with the residual add fused in: the public functions and the fake kernels
 of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
 
-The kernels (``kernels/layer_norm.py``, ``csrc/layer_norm.cpp``) work on rows:
+The kernel ops normalise the last dim:
 
     layer_norm_forward(x, residual, weight, bias, eps, is_rms) -> (y, h, mean, rstd)
     layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms) -> (dx, dweight, dbias)
 
-x, residual, dy, dh are (M, N) with unit stride along N and any row stride; weight and bias
-(N,) or None. h = x + residual (rounded to x's dtype; None without a residual) is the input the
+x, residual, dy, dh are (..., N) with unit stride along N (the ops take the caller's shape, so
+that autograd records no reshape around them; the kernels, ``kernels/layer_norm.py`` and
+``csrc/layer_norm.cpp``, see the M = numel / N rows); y, h and dx have x's shape; weight and
+bias (N,) or None. h = x + residual (rounded to x's dtype; None without a residual) is the input the
 statistics are taken of; y = (h - mean) * rstd * weight + bias (RMSNorm: mean is None and
 y = h * rstd * weight). mean and rstd are (M,) float32 (float64 for float64 inputs, which only the
 reference backend takes). In the backward, `h` is the normalised
@@ -34,7 +36,7 @@ def _stats_dtype(x):
 
 @torch.library.register_fake("transformer_fast::layer_norm_forward")
 def _(x, residual, weight, bias, eps, is_rms):
-    M = x.shape[0]
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     h = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     mean = x.new_empty(0 if is_rms else M, dtype=_stats_dtype(x))
     return x.new_empty(x.shape), h, mean, x.new_empty(M, dtype=_stats_dtype(x))
@@ -58,12 +60,12 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     if explicit is None and not transformed:
         y, h = torch.ops.transformer_fast.layer_norm(x, list(normalized_shape), weight, bias, eps, residual, is_rms)
         return y if residual is None else (y, h)
-    rows, residual_rows, weight, bias, eps, rows_empty = _C.layer_norm_args(
+    x_last, residual_last, weight, bias, eps, rows_empty = _C.layer_norm_args(
         x, list(normalized_shape), weight, bias, eps, residual, is_rms)
     if rows_empty:  # rows of no elements: empty outputs, as torch.nn.functional.layer_norm gives
-        h = rows if residual_rows is None else rows + residual_rows
+        h = x_last if residual_last is None else x_last + residual_last
         return h.clone() if residual is None else (h.clone(), h)
-    y, h = _explicit.layer_norm(explicit, rows, residual_rows, weight, bias, eps, is_rms)
+    y, h = _explicit.layer_norm(explicit, x_last, residual_last, weight, bias, eps, is_rms)
     y = y.view(x.shape)
     return y if residual is None else (y, h.view(x.shape))
 

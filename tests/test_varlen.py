@@ -1,0 +1,273 @@
+"""``varlen_attn``: packed variable-length sequences, ``seqused_k``, paged caches and decoding on
+every backend, against the float64 reference (one dense attention per sequence), outputs and
+gradients. The Triton kernels run under the interpreter on small packs."""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import reference
+
+from attention_cases import flash_gradients
+from helpers import assert_close_to_reference, compare_with_reference
+
+BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
+ops = torch.ops.transformer_fast
+
+
+@pytest.fixture(autouse=True)
+def _needs_backend(request):
+    backend = request.node.callspec.params.get("backend") if hasattr(request.node, "callspec") else None
+    if backend is not None and tf.available_backends()[backend] is not None:
+        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
+
+
+def _dtype(backend):
+    return {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}[backend]
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def offsets(lengths):
+    return torch.tensor([0] + lengths, device=_device()).cumsum(0).to(torch.int32)
+
+
+def make_pack(q_lens, k_lens, H=2, Hk=2, D=16, Dv=None, dtype=torch.float32):
+    Dv = D if Dv is None else Dv
+    q = torch.randn(sum(q_lens), H, D, dtype=dtype, device=_device())
+    k = torch.randn(sum(k_lens), Hk, D, dtype=dtype, device=_device())
+    v = torch.randn(sum(k_lens), Hk, Dv, dtype=dtype, device=_device())
+    return q, k, v, offsets(q_lens), offsets(k_lens)
+
+
+def check_varlen(backend, q, k, v, cu_q, cu_k, *, sinks=None, grads=True, **kwargs):
+    """Output and (grads) the gradients of q, k, v (and sinks) of varlen_attn against the
+    reference's per-sequence attention, with the package's comparison policy; gradients also admit
+    FlashAttention-2's delta (attention_cases.flash_gradients), sequence by sequence."""
+    q_lens = (cu_q[1:] - cu_q[:-1]).tolist()
+    k_lens = (cu_k[1:] - cu_k[:-1]).tolist() if cu_k is not None else [0]
+    max_q, max_k = max(q_lens, default=0), max(k_lens, default=0)
+    if kwargs.get("seqused_k") is not None:
+        max_k = int(kwargs["seqused_k"].max())
+    enable_gqa = k.shape[-2] != q.shape[1]
+
+    def kernel(q, k, v, sinks=None):
+        extra = {} if sinks is None else {"sinks": sinks}
+        return tf.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa=enable_gqa, backend=backend,
+                              **kwargs, **extra)
+
+    ref_kwargs = {name: kwargs[name] for name in ("scale", "window_size", "softcap", "alibi_slopes", "seqused_k",
+                                                 "block_table") if name in kwargs}
+
+    def ref(q, k, v, sinks=None):
+        return reference.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, **ref_kwargs)
+
+    def flash(inputs, dout):
+        q, k, v = inputs[:3]
+        grads = [torch.zeros_like(t) for t in inputs]
+        for b in range(len(q_lens)):
+            rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            slopes = ref_kwargs.get("alibi_slopes")
+            if slopes is not None and slopes.dim() == 2:
+                slopes = slopes[b]
+            g = flash_gradients(*(t[r].transpose(0, 1)[None] for t, r in ((q, rq), (k, rk), (v, rk))),
+                                dout[rq].transpose(0, 1)[None], *inputs[3:], scale=kwargs.get("scale"),
+                                window_size=kwargs.get("window_size"), softcap=kwargs.get("softcap"),
+                                alibi_slopes=slopes)
+            for grad, part, rows in zip(grads, g, (rq, rk, rk)):
+                grad[rows] = part[0].transpose(0, 1)
+            if len(g) == 4:
+                grads[3] += g[3]
+        return grads
+
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    return compare_with_reference(kernel, ref, inputs, grad_inputs=tuple(range(len(inputs))) if grads else (),
+                                  what=f"varlen_attn[{backend}]", gradient_formulation=flash)
+
+
+PACKS = [
+    ([0, 1, 17, 5, 40, 33], None),   # empty, one-token and non-tile-multiple sequences
+    ([3, 1, 0, 17], [10, 1, 5, 40]),  # fewer queries than keys (bottom-right alignment), an empty query set
+    ([20, 6], [4, 6]),               # more queries than keys: early rows see nothing when causal
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pack", PACKS, ids=str)
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 0), (2, 3)], ids=str)
+def test_packs_and_windows(backend, pack, window):
+    q_lens, k_lens = pack
+    dtypes = (torch.float32,) if window in ((-1, -1), (2, 3)) else (torch.float32, _dtype(backend))
+    for dtype in dtypes:
+        q, k, v, cu_q, cu_k = make_pack(q_lens, k_lens or q_lens, dtype=dtype)
+        check_varlen(backend, q, k, v, cu_q, cu_k, window_size=window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gqa_softcap_alibi_sinks(backend):
+    dtype = _dtype(backend)
+    q, k, v, cu_q, cu_k = make_pack([9, 0, 24], [9, 3, 30], H=4, Hk=2, D=24, Dv=8, dtype=dtype)
+    check_varlen(backend, q, k, v, cu_q, cu_k, window_size=(-1, 0), softcap=4.0,
+                 alibi_slopes=torch.rand(3, 4, device=_device()), sinks=torch.randn(4, device=_device()).to(dtype),
+                 scale=0.3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_sum_exp(backend):
+    q, k, v, cu_q, cu_k = make_pack([5, 0, 17], [5, 4, 1])
+    sinks = torch.randn(2, device=_device())
+    out, lse = tf.varlen_attn(q, k, v, cu_q, cu_k, 17, 5, return_aux=tf.AuxRequest(lse=True), window_size=(-1, 0),
+                              sinks=sinks, backend=backend)
+    ref_out, ref_lse = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                                  window_size=(-1, 0), sinks=sinks.double(), return_lse=True)
+    assert lse.shape == (2, 22) and lse.dtype == torch.float32
+    assert (lse.double() - ref_lse).abs().max() < 1e-5 and (out.double() - ref_out).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seqused_k_shorter_than_the_slot(backend):
+    q, k, v, cu_q, cu_k = make_pack([1, 4, 2], [12, 20, 7], dtype=_dtype(backend))
+    used = torch.tensor([5, 20, 0], dtype=torch.int32, device=_device())
+    with torch.no_grad():
+        check_varlen(backend, q, k, v, cu_q, cu_k, seqused_k=used, window_size=(-1, 0), grads=False)
+
+
+def paged(k_lens, page_size, H=2, D=16, dtype=torch.float32, spare=3):
+    """A pool of pages holding sequences of k_lens keys, in shuffled page order, and its block table."""
+    pages_per_seq = max(-(-n // page_size) for n in k_lens)
+    n_pages = pages_per_seq * len(k_lens) + spare
+    order = torch.randperm(n_pages)[:pages_per_seq * len(k_lens)]
+    table = order.view(len(k_lens), pages_per_seq).to(torch.int32).to(_device())
+    k = torch.randn(n_pages, page_size, H, D, dtype=dtype, device=_device())
+    v = torch.randn(n_pages, page_size, H, D, dtype=dtype, device=_device())
+    return k, v, table, torch.tensor(k_lens, dtype=torch.int32, device=_device())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [5, 16])
+def test_paged_cache_with_pages_out_of_order(backend, page_size):
+    k, v, table, used = paged([23, 1, 40], page_size, dtype=_dtype(backend))
+    for q_lens in ([1, 1, 1], [3, 1, 7]):  # decoding, and a chunk of new queries over the cache
+        q = torch.randn(sum(q_lens), 2, 16, dtype=_dtype(backend), device=_device())
+        with torch.no_grad():
+            check_varlen(backend, q, k, v, offsets(q_lens), None, seqused_k=used, block_table=table,
+                         window_size=(-1, 0), grads=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_with_and_without_splits(backend):
+    """One query per sequence against long caches: the key split (forced with num_splits) gives the
+    unsplit result to rounding, and both match the reference."""
+    long = 300 if backend == "triton" else 5000
+    q, k, v, cu_q, cu_k = make_pack([1, 1, 1], [long, 1, 77], H=8, Hk=2, D=32)
+    outs = []
+    with torch.no_grad():
+        for splits in (1, 3, None):
+            outs.append(check_varlen(backend, q, k, v, cu_q, cu_k, num_splits=splits, grads=False))
+    assert (outs[0] - outs[1]).abs().max() < 1e-5 and (outs[0] - outs[2]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_forward_and_backward_agree(backend):
+    """With values one-hot per key, the output is each row's dropped-out probabilities; the
+    gradients must be those of attention with exactly that dropout mask."""
+    q_lens = [5, 0, 9]
+    q, _, _, cu_q, cu_k = make_pack(q_lens, q_lens, D=8)
+    k = torch.randn(14, 2, 8, device=_device())
+    v = torch.zeros(14, 2, 14, device=_device())
+    v[torch.arange(14), :, torch.arange(14)] = 1.0  # key j's value is the j-th unit vector
+    q.requires_grad_()
+    torch.manual_seed(5)
+    out = tf.varlen_attn(q, k, v, cu_q, cu_k, 9, 9, window_size=(-1, 0), dropout_p=0.4, backend=backend)
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, q, dout)
+    for b in range(3):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        qb, kb, vb = (t[rows].detach().double().transpose(0, 1)[None].requires_grad_(i == 0)
+                      for i, t in enumerate((q, k, v)))
+        kept = out[rows, :, rows].transpose(0, 1)[None] != 0  # (1, H, n, n): the keys kept for each row
+        ref = reference.scaled_dot_product_attention(qb, kb, vb[..., rows], window_size=(-1, 0), dropout_mask=kept,
+                                                     dropout_p=0.4)
+        assert (out[rows].transpose(0, 1)[None, ..., rows].double() - ref).abs().max() < 1e-5
+        ref_dq = torch.autograd.grad(ref, qb, dout[rows, :, rows].transpose(0, 1)[None].double())[0]
+        assert (dq[rows].transpose(0, 1)[None].double() - ref_dq).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("case", ["unsorted", "too_long", "max_q", "seqused", "block_table"])
+def test_bad_offsets_are_refused(backend, case):
+    """Values inside the index tensors are checked by the CPU kernels that read them."""
+    q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])
+    kwargs, max_q = {}, 4
+    if case == "unsorted":
+        cu_q = torch.tensor([0, 5, 3], dtype=torch.int32)
+    elif case == "too_long":
+        cu_k = torch.tensor([0, 3, 9], dtype=torch.int32)
+    elif case == "max_q":
+        max_q = 3
+    elif case == "seqused":
+        kwargs = dict(seqused_k=torch.tensor([4, 1], dtype=torch.int32))
+    else:
+        kp, vp, table, used = paged([3, 4], 4)
+        table[1, 0] = kp.shape[0]
+        k, v, cu_k, kwargs = kp, vp, None, dict(block_table=table, seqused_k=used)
+    with pytest.raises(ValueError, match="cu_seq_q|cu_seq_k|max_q|seqused_k|block_table"):
+        tf.varlen_attn(q, k, v, cu_q, cu_k, max_q, 4, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(cu_seq_q=torch.tensor([0, 3, 7])), TypeError, "cu_seq_q must be an int32"),
+    (dict(cu_seq_k=torch.tensor([0, 3], dtype=torch.int32)), ValueError, "cu_seq_k"),
+    (dict(cu_seq_k=None), ValueError, "cu_seq_k may be None only"),
+    (dict(query=torch.randn(2, 7, 2, 16)), ValueError, "query must have 3"),
+    (dict(key=torch.randn(7, 3, 16)), ValueError, "heads"),
+    (dict(block_table=torch.zeros(2, 2, dtype=torch.int32)), ValueError, "key must have 4"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(max_q=2.0), TypeError, "max_q"),
+    (dict(window_size=(-3, 0)), ValueError, "window_size"),
+    (dict(seqused_k=torch.tensor([1, 2])), TypeError, "seqused_k must be an int32"),
+])
+def test_bad_arguments_are_refused(change, error, words):
+    q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])
+    args = dict(query=q, key=k, value=v, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=4, max_k=4)
+    args.update(change)
+    with pytest.raises(error, match=words):
+        tf.varlen_attn(**args)
+
+
+def test_inference_only_arguments_refuse_gradients():
+    q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        tf.varlen_attn(q, k, v, cu_q, cu_k, 4, 4, seqused_k=torch.tensor([2, 4], dtype=torch.int32))
+
+
+def test_float64_gradcheck():
+    q, k, v, cu_q, cu_k = (t.double() if t.is_floating_point() else t for t in make_pack([2, 0, 3], [3, 1, 3], D=4))
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def attention(q, k, v, sinks):
+        return tf.varlen_attn(q, k, v, cu_q, cu_k, 3, 3, window_size=(1, 0), softcap=3.0, sinks=sinks)
+    inputs = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), sinks)
+    assert torch.autograd.gradcheck(attention, inputs)
+
+
+@pytest.mark.parametrize("backend", ["cpp"])
+def test_opcheck_packed(backend):
+    q, k, v, cu_q, cu_k = make_pack([3, 0, 5], [4, 2, 5])
+    args = (q, k, v, None, None, False, 0.25, 0.0, 0, [2, 1], 3.0, torch.rand(3, 2), torch.randn(2), cu_q, cu_k,
+            None, None, 5, 5, 0)
+    torch.library.opcheck(ops.attention_forward.default, args)
+
+
+def test_matches_dense_attention_on_equal_lengths():
+    """A pack of equal-length sequences is the dense batch: same result as scaled_dot_product_attention."""
+    q, k, v, cu_q, cu_k = make_pack([7, 7, 7], [9, 9, 9], H=4, Hk=2)
+    out = tf.varlen_attn(q, k, v, cu_q, cu_k, 7, 9, window_size=(3, 0), enable_gqa=True)
+    dense = tf.scaled_dot_product_attention(*(t.view(3, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)),
+                                            window_size=(3, 0), enable_gqa=True)
+    assert_close_to_reference(out, dense.transpose(1, 2).reshape(21, 4, 16).double(),
+                              dense.transpose(1, 2).reshape(21, 4, 16), factor=1.0, atol=1e-6)
