@@ -16,7 +16,7 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from attention_cases import make_qkv, random_attn_mask, random_key_padding
+from attention_cases import check_attention, flash_gradients, make_qkv, random_attn_mask, random_key_padding
 from helpers import assert_close_to_reference, compare_with_reference
 
 pytestmark = pytest.mark.triton
@@ -33,75 +33,10 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# ------------------------------------------------------------------------------------------
-# FlashAttention-2's gradient equations with the extras (the kernels' formulation)
-# ------------------------------------------------------------------------------------------
-def flash_dense(q, k, v, dout, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-                window=None, softcap=None, alibi=None, sinks=None):
-    """dq, dk, dv (and dsinks) by the kernels' equations in fp32 on the inputs' values:
-    P = exp(S - lse), delta = rowsum(dO * O) with O rounded to the inputs' dtype, dS = P (dP -
-    delta), times (1 - tanh^2) through soft-capping; dsinks = -sum exp(sink - lse) delta. Their
-    error counts as the reference's in that dtype (attention_cases.flash_gradients)."""
-    dtype = q.dtype
-    B, H, Nq, D = q.shape
-    Hk, Nk = k.shape[1], k.shape[2]
-    group = H // Hk
-    qf, kf, vf, dof = (t.detach().float() for t in (q, k, v, dout))
-    kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
-    scale = D ** -0.5 if scale is None else scale
-    raw = qf @ kf.transpose(-2, -1) * scale
-    t = torch.tanh(raw / softcap) if softcap else None
-    s = softcap * t if softcap else raw
-    s = s + reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                                     is_causal=is_causal, window_size=window, alibi_slopes=alibi,
-                                     dtype=torch.float32, device=q.device)
-    no_key = torch.isneginf(s).all(dim=-1, keepdim=True)
-    if sinks is not None:
-        sink = sinks.detach().float()[None, :, None, None].expand(B, H, Nq, 1)
-        lse = torch.logsumexp(torch.cat([s, sink], -1), dim=-1, keepdim=True)
-    else:
-        lse = torch.logsumexp(s.masked_fill(no_key, 0.0), dim=-1, keepdim=True)
-    p = torch.exp(s - lse).masked_fill(no_key, 0.0)
-    out = (p @ vf).to(dtype).float()
-    delta = (dof * out).sum(dim=-1, keepdim=True)
-    ds = p * (dof @ vf.transpose(-2, -1) - delta)
-    if softcap:
-        ds = ds * (1 - t * t)
-    dq = ds @ kf * scale
-    dk = (ds.transpose(-2, -1) @ qf * scale).unflatten(1, (Hk, group)).sum(dim=2)
-    dv = (p.transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
-    grads = [dq.to(dtype), dk.to(dtype), dv.to(dtype)]
-    if sinks is not None:
-        grads.append((-(torch.exp(sinks.detach().float()[None, :, None, None] - lse) * delta).sum((0, 2, 3)))
-                     .to(sinks.dtype))
-    return grads
-
-
-def check_dense(q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None, window=None,
-                softcap=None, alibi=None, sinks=None, grads=True, what="attention[triton]"):
+def check_dense(q, k, v, *, window=None, alibi=None, grads=True, **kwargs):
     """tf.scaled_dot_product_attention(backend="triton") with the extras against the float64
-    reference (output and the gradients of q, k, v and sinks), with the package's policy."""
-    gqa = k.shape[1] != q.shape[1]
-    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
-
-    def kernel(q, k, v, sinks=None):
-        return tf.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                               enable_gqa=gqa, key_padding_mask=key_padding_mask, window_size=window,
-                                               softcap=softcap, alibi_slopes=alibi, sinks=sinks, backend="triton")
-
-    def ref(q, k, v, sinks=None):
-        mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
-        return reference.scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
-                                                      key_padding_mask=key_padding_mask, window_size=window,
-                                                      softcap=softcap, alibi_slopes=alibi, sinks=sinks)
-
-    def flash(inputs, dout):
-        return flash_dense(*inputs[:3], dout, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                           is_causal=is_causal, scale=scale, window=window, softcap=softcap, alibi=alibi,
-                           sinks=inputs[3] if sinks is not None else None)
-
-    return compare_with_reference(kernel, ref, inputs, grad_inputs=tuple(range(len(inputs))) if grads else (),
-                                  what=what, gradient_formulation=flash)
+    reference (output and the gradients of q, k, v and the sinks; attention_cases.check_attention)."""
+    return check_attention("triton", q, k, v, window_size=window, alibi_slopes=alibi, grads=grads, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,9 +88,9 @@ def check_varlen(q, k, v, cu_q, cu_k, *, max_q=None, max_k=None, scale=None, win
         for b in range(len(lengths_q)):
             rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
             slopes = None if alibi is None else (alibi[b] if alibi.dim() == 2 else alibi)
-            g = flash_dense(q[rq].transpose(0, 1)[None], k[rk].transpose(0, 1)[None], v[rk].transpose(0, 1)[None],
-                            dout[rq].transpose(0, 1)[None], scale=scale, window=window, softcap=softcap,
-                            alibi=slopes, sinks=s)
+            g = flash_gradients(q[rq].transpose(0, 1)[None], k[rk].transpose(0, 1)[None],
+                                v[rk].transpose(0, 1)[None], dout[rq].transpose(0, 1)[None], s, scale=scale,
+                                window_size=window, softcap=softcap, alibi_slopes=slopes)
             for full, part, rows in zip(grads, g, (rq, rk, rk)):
                 full[rows] = part[0].transpose(0, 1)
             if s is not None:
@@ -192,15 +127,20 @@ def triton_backward(dout, q, k, v, out, lse, **kwargs):
 # ------------------------------------------------------------------------------------------
 # Interpreter (CPU) tests: dense extras
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("window,is_causal,masks", [
-    ((100, 100), False, False),  # wider than the sequence: no key excluded
-    ((0, 0), False, False),  # zero width: the one key on the bottom-right diagonal
-    ((3, -1), False, True),  # left only, with padding and a bool mask
-    ((-1, 2), False, False),  # right only
-    ((30, 0), True, True),  # bottom-right window intersected with top-left causal, padding, bool mask
-    ((50, 10), False, False),  # wide enough that whole key tiles lie inside every row's band
+_F32, _F16 = torch.float32, torch.float16
+
+
+@pytest.mark.parametrize("window,is_causal,masks,dtype", [
+    ((100, 100), False, False, _F32),  # wider than the sequence: no key excluded
+    ((0, 0), False, False, _F32),  # zero width: the one key on the bottom-right diagonal
+    ((-1, 2), False, False, _F32),  # right only
+    ((3, -1), False, True, _F32),  # left only, with padding and a bool mask
+    ((3, -1), False, True, _F16),
+    ((30, 0), True, True, _F32),  # bottom-right window intersected with top-left causal, padding, bool mask
+    ((30, 0), True, True, _F16),
+    ((50, 10), False, False, _F32),  # wide enough that whole key tiles lie inside every row's band
+    ((50, 10), False, False, _F16),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_windows(window, is_causal, masks, dtype):
     """Bottom-right aligned windows (Nk > Nq shifts the band right), with causal and masks."""
     Nq, Nk = (40, 100) if window == (50, 10) else (20, 45)
@@ -258,31 +198,25 @@ def test_window_tiles_outside_the_band_are_never_read():
     assert (qq.grad[:, :, :112] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("softcap,magnitude", [(5.0, 8.0), (50.0, 1.0), (0.5, 0.01)])
+@pytest.mark.parametrize("softcap,magnitude,dtype", [(5.0, 8.0, _F32), (0.5, 0.01, _F32), (0.5, 0.01, _F16)])
 def test_softcap(softcap, magnitude, dtype):
-    """Scores far beyond the cap (tanh saturated), around it, and far below it (tanh ~ linear,
-    where a careless tanh loses its relative precision), with causal and padding."""
+    """Scores far beyond the cap (tanh saturated) and far below it (tanh ~ linear, where a careless
+    tanh loses its relative precision), with causal and padding."""
     q, k, v = make_qkv(2, 2, 20, 45, 16, dtype=dtype, device=_device())
     q = (q.float() * magnitude).to(dtype)
     pad = random_key_padding(2, 45, device=_device())
     check_dense(q, k, v, key_padding_mask=pad, is_causal=True, softcap=softcap, scale=1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_alibi_per_batch_with_window_and_softcap(dtype):
-    """(B, H) and (H,) slopes, bottom-right aligned like the window."""
-    q, k, v = make_qkv(2, 4, 20, 45, 16, Hk=2, dtype=dtype, device=_device())
-    slopes = torch.rand(2, 4, device=_device()) * 0.5
-    if dtype == torch.float32:
-        check_dense(q, k, v, alibi=slopes, is_causal=True)
-    check_dense(q, k, v, alibi=slopes[0] if dtype == torch.float32 else slopes, window=(9, 3), softcap=4.0)
+def test_alibi_per_batch_with_window_and_softcap():
+    """(B, H) slopes, bottom-right aligned like the window, with GQA and soft-capping."""
+    q, k, v = make_qkv(2, 4, 20, 45, 16, Hk=2, device=_device())
+    check_dense(q, k, v, alibi=torch.rand(2, 4, device=_device()) * 0.5, window=(9, 3), softcap=4.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_sinks_with_fully_masked_rows(dtype):
-    """Rows with no allowed key give 0 and lse = the sink; the sinks get their gradient."""
-    q, k, v = make_qkv(2, 2, 20, 45, 16, dtype=dtype, device=_device())
+def test_sinks_with_fully_masked_rows():
+    """Rows with no allowed key give 0 and lse = the sink exactly; the sinks get their gradient."""
+    q, k, v = make_qkv(2, 2, 20, 45, 16, device=_device())
     sinks = torch.randn(2, device=_device()) * 2
     mask = random_attn_mask((2, 2, 20, 45), "bool", device=_device())
     mask[0, 1, 3] = False
@@ -291,7 +225,7 @@ def test_sinks_with_fully_masked_rows(dtype):
     check_dense(q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True, sinks=sinks)
     out, lse = triton_forward(q, k, v, attn_mask=mask, key_padding_mask=pad, is_causal=True, sinks=sinks)
     assert (out[0, 1, 3] == 0).all() and (out[1, :, 7:9] == 0).all()
-    assert torch.allclose(lse[0, 1, 3], sinks[1]) and torch.allclose(lse[1, :, 7], sinks)
+    assert lse[0, 1, 3] == sinks[1] and torch.equal(lse[1, :, 7], sinks)
 
 
 # ------------------------------------------------------------------------------------------
