@@ -42,6 +42,14 @@ from .attention_tiles import block_dims, length_bucket
 # Window bounds at or beyond this are as good as unbounded (and stay clear of int32 overflow in
 # the kernels' index arithmetic).
 _WINDOW_CAP = 1 << 30
+# CUDA's limit on a grid's third dimension (the batch, or the sequences of a pack + 1).
+_MAX_GRID_Z = 65535
+
+
+def _check_batch(batch):
+    if batch > _MAX_GRID_Z:
+        raise ValueError(f"the Triton attention kernels take at most {_MAX_GRID_Z} batch entries (or "
+                         f"{_MAX_GRID_Z - 1} packed sequences) per call, got {batch}")
 
 
 def _mask_kind(attn_mask):
@@ -178,6 +186,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         lse_part = torch.empty((splits, n_lse), dtype=torch.float32, device=q.device)
     else:
         out_part, lse_part = out, lse
+    _check_batch(B + (1 if packed else 0))
     mask, mask_strides = _mask_args(attn_mask, q)
     pad, pad_strides = _padding_args(key_padding_mask, q)
     alibi, alibi_strides = _alibi_args(alibi_slopes, q)
@@ -248,6 +257,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     a = backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                              window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k)
     packed, B, H, Hk, n_q, n_k = a["packed"], a["B"], a["H"], a["Hk"], a["n_q"], a["n_k"]
+    _check_batch(B + (1 if packed else 0))
     meta = a["meta"]
     q_s, k_s, v_s, do_s, lse_s = a["strides"]
     D = q.shape[-1]

@@ -368,6 +368,20 @@ def test_inconsistent_index_values_stay_inside_the_tensors():
         assert not torch.isnan(out).any()
 
 
+def test_more_sequences_than_the_grid_holds_are_refused():
+    """A pack of 65535 sequences needs a grid column more than CUDA allows: a clear error, before
+    any launch or allocation."""
+    from transformer_fast.kernels import attention as ka
+
+    q, k, v = (torch.randn(4, 2, 16) for _ in range(3))
+    cu = torch.zeros(65536, dtype=torch.int32)
+    with pytest.raises(ValueError, match="65534 packed sequences"):
+        ka.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu, max_q=1, max_k=1)
+    with pytest.raises(ValueError, match="65534 packed sequences"):
+        ka.attention_backward(q, q, k, v, q, torch.zeros(2, 4), None, None, False, 0.25, 0.0, 0, False, cu_seq_q=cu,
+                              cu_seq_k=cu, max_q=1, max_k=1)
+
+
 # ------------------------------------------------------------------------------------------
 # Interpreter tests: Flash-Decoding
 # ------------------------------------------------------------------------------------------
