@@ -11,7 +11,8 @@ Steps (`--gpu-steps`, default all three):
   tests       `pytest -m gpu tests` (pytest-xdist workers where it is installed; `--test-workers`),
               within `--test-timeout` seconds
   benchmarks  the sweep (attention, layer_norm, train_step) on the GPU, target_gpu_attention,
-              models (the whole models on the GPU, bf16 autocast) and host (the CPU host cost per call)
+              target_gpu_varlen (packed sequences, split decoding, sliding windows), models (the whole
+              models on the GPU, bf16 autocast) and host (the CPU host cost per call)
 
 Each benchmark writes its own result files; this suite writes <device>-gpu-<date>.json and .md
 (the install check and the test summary) into --out, then rewrites the results index
@@ -180,6 +181,7 @@ def run(args):
         sweep_args = bench_run.parse_args(_forwarded(args, ["--device", "cuda", "--no-progress"]))
         result["benchmarks"]["sweep"] = bench_run.run_sweep(sweep_args)
         result["benchmarks"]["target_gpu_attention"] = bench_run.run_target("target_gpu_attention", args)
+        result["benchmarks"]["target_gpu_varlen"] = bench_run.run_target("target_gpu_varlen", args)
         args.device = "cuda"
         result["benchmarks"]["models"] = bench_run.run_target("models", args)
         result["benchmarks"]["host"] = bench_run.run_target("host", args)

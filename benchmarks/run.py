@@ -50,13 +50,14 @@ SUITES = {
     "linear_state": "C++ causal linear attention prefill with a carried state against without one, N=4096",
     "target_gpu_attention": "Triton attention against torch's FlashAttention backend, bf16/fp16 grid (GPU)",
     "varlen": "C++ attention on a pack of unequal sequences, a 512-key window at 16k and a decoding step (CPU)",
+    "target_gpu_varlen": "Triton varlen (vs torch varlen_attn), split decoding at 32k, a 4k window at 32k (GPU)",
     "host": "host cost per call of each public function on tiny tensors, one thread, against torch's",
     "models": "BERT encoder, Llama-like decoder (training, generate), encoder-decoder: ours against the sdpa model",
-    "gpu": "install check, the gpu-marked tests, the sweep and target_gpu_attention on the GPU, results index",
+    "gpu": "install check, the gpu-marked tests, the sweep, target_gpu_attention and _varlen on the GPU, results index",
 }
 # the suites that run_target runs (each writes its own result file)
 TARGETS = ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention", "target_gpu_attention",
-           "host", "models", "linear_state", "varlen")
+           "target_gpu_varlen", "host", "models", "linear_state", "varlen")
 __doc__ = __doc__.format(suites="\n".join(f"  {name:<28} {text}" for name, text in SUITES.items()))
 # --smoke: sizes small enough to check that a suite runs end to end in seconds (not measurements)
 SMOKE = {"seq_lens": [16, 32], "batch": 1, "heads": 2, "head_dim": 16, "repeats": 2, "min_repeats": 2, "budget": 0.0,
@@ -318,16 +319,17 @@ def run_target(suite, args):
 
     import transformer_fast
 
-    from . import host, linear_state, measure, models, report, target_gpu, targets, varlen
+    from . import host, linear_state, measure, models, report, target_gpu, target_gpu_varlen, targets, varlen
 
-    runners = {**targets.SUITES, "target_gpu_attention": target_gpu.run, "host": host.run, "models": models.run,
-               "linear_state": linear_state.run, "varlen": varlen.run}
-    markdowns = {"target_gpu_attention": target_gpu.markdown, "host": host.markdown, "models": models.markdown,
-                 "linear_state": linear_state.markdown, "varlen": varlen.markdown}
+    runners = {**targets.SUITES, "target_gpu_attention": target_gpu.run, "target_gpu_varlen": target_gpu_varlen.run,
+               "host": host.run, "models": models.run, "linear_state": linear_state.run, "varlen": varlen.run}
+    markdowns = {"target_gpu_attention": target_gpu.markdown, "target_gpu_varlen": target_gpu_varlen.markdown,
+                 "host": host.markdown, "models": models.markdown, "linear_state": linear_state.markdown,
+                 "varlen": varlen.markdown}
     if suite == "models":
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     else:
-        device = torch.device("cuda" if suite == "target_gpu_attention" else "cpu")
+        device = torch.device("cuda" if suite.startswith("target_gpu") else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"benchmark: {suite} needs a CUDA GPU; skipped", file=sys.stderr)
         return 1

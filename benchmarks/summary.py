@@ -32,6 +32,10 @@ OTHER_RECORDS = {
     "compile-check-linear-state-2026-11-25.txt": "the linear-attention Triton kernels, with and without a carried "
                                                  "state, compiled for sm_80 and sm_90: registers and spills "
                                                  "(`compile_check --only linear_attention`)",
+    "compile-check-attention-2026-11-25.txt": "the Triton attention kernels with windows, softcap, ALiBi, sinks, "
+                                              "packed/paged layouts and the decoding split, compiled for sm_80 and "
+                                              "sm_90: registers and spills of every config (`compile_check --only "
+                                              "attention`)",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"
                                                          "tiles_gpu.py): the source of the bf16/fp16 backward tables",

@@ -1,4 +1,4 @@
-"""Tile shapes of the Triton attention kernels (kernels/attention.py): the head-dim blocks, the
+"""Tile shapes of the Triton attention kernels (kernels/attention_*.py): the head-dim blocks, the
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) tables per head-dim class and precision, the
 autotune configs built from them, the pruning that picks a call's table, and the autotune key.
 
@@ -115,8 +115,12 @@ def pruner(table_lowp, table_fp32):
     return prune
 
 
-# The autotune key: a tuned choice holds for one length bucket and one set of features.
-TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "MASK_KIND", "HAS_PAD", "HAS_DROPOUT", "DOT_PRECISION"]
+# The autotune keys: a tuned choice holds for one length bucket and one set of features (each
+# feature changes the kernel's registers and spills, so its best tile).
+TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "MASK_KIND", "HAS_PAD", "HAS_DROPOUT", "DOT_PRECISION",
+            "WINDOW_LEFT", "WINDOW_RIGHT", "HAS_SOFTCAP", "HAS_ALIBI", "LAYOUT"]
+FWD_TUNE_KEY = TUNE_KEY + ["HAS_SINKS", "HAS_SEQUSED", "SPLIT", "PACK_GQA"]
+DQ_TUNE_KEY = TUNE_KEY + ["STORE_DS"]
 
 
 def length_bucket(nq, nk):

@@ -10,6 +10,7 @@ import torch
 import triton
 
 from . import attention, layer_norm
+from . import attention_decode as decode
 from . import attention_tiles as tiles
 from . import linear_attention as la
 
@@ -26,6 +27,9 @@ def jit_function(kernel):
 # --------------------------------------------------------------------------------------------
 # Softmax attention
 # --------------------------------------------------------------------------------------------
+_FLOAT_SCALARS = ("qk_scale", "scale", "dropout_p", "softcap2")
+
+
 def _attention_signature(kernel, pointers, constexprs):
     """Every argument of `kernel`: pointers as given, "constexpr" for meta-parameters, fp32 for
     the float scalars, i64 for the seed and i32 for the other ints."""
@@ -35,7 +39,7 @@ def _attention_signature(kernel, pointers, constexprs):
             sig[name] = pointers[name]
         elif name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("qk_scale", "scale", "dropout_p"):
+        elif name in _FLOAT_SCALARS:
             sig[name] = "fp32"
         elif name == "seed":
             sig[name] = "i64"
@@ -44,49 +48,78 @@ def _attention_signature(kernel, pointers, constexprs):
     return sig
 
 
+_DIVISIBLE = ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV", "DS", "OutPart", "LsePart")
+
+
 def _divisibility(fn, head_d, head_dv):
     """The launch-time specialization of contiguous q/k/v/dO with head dims that are multiples of
     16: every tensor pointer and every q/k/v/dO stride divisible by 16 (vectorized loads)."""
-    names = [n for n in fn.arg_names if n in ("Q", "K", "V", "Out", "Lse", "DOut", "Delta", "DQ", "DK", "DV", "DS")]
+    names = [n for n in fn.arg_names if n in _DIVISIBLE]
     if head_d % 16 == 0 and head_dv % 16 == 0:
         names += [n for n in fn.arg_names if n.startswith(("stride_q", "stride_k", "stride_v", "stride_do"))]
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
+# Feature letters of the case names: c causal, b/f bool/float mask, p padding, r dropout, s dS out,
+# L/R window left/right, t softcap, a ALiBi, k sinks, P packed, G paged, u seqused_k, S split,
+# g GQA heads packed in a program's rows.
+_LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("L", "window_left"),
+            ("R", "window_right"), ("t", "softcap"), ("a", "alibi"), ("k", "sinks"), ("u", "seqused"),
+            ("S", "split"), ("g", "pack_gqa"))
+
+
 def attention_cases():
     """Every autotune tile of each kernel for each head-dim class (fp16, plain; one head-dim-128
     tile with causal + padding + bool mask), the fp32 tile of each class, dropout, a float
-    mask with odd head dims, and the backward preprocess; forward fp16/bf16 cases must use wgmma
-    on sm_90."""
+    mask with odd head dims, and the backward preprocess; then the contract's extras on the
+    first tile of a class (and on every tile of the decoding and packed-training mixes at head
+    dim 128): windows, soft-capping, ALiBi, sinks, packed and paged layouts, seqused_k, the
+    Flash-Decoding split with GQA heads packed, and the split's merge. Forward fp16/bf16 cases
+    must use wgmma on sm_90."""
     cases = []
 
-    def add(kernel, name, dtype, head_d, head_dv, tile, *, causal=False, mask_kind=0, pad=False, dropout=False,
-            store_ds=False, expect_wgmma=False):
+    def add(kernel, name, dtype, head_d, head_dv, tile, *, mask_kind=0, layout=0, expect_wgmma=False, **flags):
         block_m, block_n, warps, stages = tile
         t = "*" + _TYPE[dtype]
         mask_type = {0: t, 1: "*u8", 2: t}[mask_kind]
         pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
-        pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if pad else t)
+        pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if flags.get("pad") else t,
+                        Alibi="*fp32" if flags.get("alibi") else t, Sinks="*fp32" if flags.get("sinks") else t,
+                        CuQ="*i32" if layout else t, CuK="*i32" if layout == 1 else t,
+                        SeqUsed="*i32" if flags.get("seqused") or layout == 2 else t,
+                        BlockTable="*i32" if layout == 2 else t, OutPart="*fp32" if flags.get("split") else t,
+                        LsePart="*fp32" if flags.get("split") else "*fp32")
         block_d, block_dv = tiles.block_dims(head_d, head_dv)
-        constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv, IS_CAUSAL=causal,
-                          MASK_KIND=mask_kind, HAS_PAD=pad, HAS_DROPOUT=dropout,
-                          DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STORE_DS=store_ds,
-                          BLOCK_M=block_m, BLOCK_N=block_n)
+        constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                          IS_CAUSAL=bool(flags.get("causal")), MASK_KIND=mask_kind, HAS_PAD=bool(flags.get("pad")),
+                          HAS_DROPOUT=bool(flags.get("dropout")),
+                          DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                          STORE_DS=bool(flags.get("store_ds")), WINDOW_LEFT=bool(flags.get("window_left")),
+                          WINDOW_RIGHT=bool(flags.get("window_right")), HAS_SOFTCAP=bool(flags.get("softcap")),
+                          HAS_ALIBI=bool(flags.get("alibi")), HAS_SINKS=bool(flags.get("sinks")), LAYOUT=layout,
+                          HAS_SEQUSED=bool(flags.get("seqused")), SPLIT=bool(flags.get("split")),
+                          PACK_GQA=bool(flags.get("pack_gqa")), BLOCK_M=block_m, BLOCK_N=block_n)
+        # the launchers' own outputs have unit row strides (in rows of the head dim) where dense, unit
+        # head strides where packed; Triton specializes an int argument equal to 1 as a constant
+        unit = ("stride_om", "stride_dqm", "stride_dkn", "stride_dvn") if layout == 0 else \
+            ("stride_oh", "stride_dqh", "stride_dkh", "stride_dvh")
+        constexprs.update({name: 1 for name in unit})
         fn = jit_function(kernel)
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        features = "".join(f for f, on in (("c", causal), ("b" if mask_kind == 1 else "f", mask_kind), ("p", pad),
-                                             ("r", dropout), ("s", store_ds)) if on) or "plain"
+        letters = "".join(letter for letter, flag in _LETTERS if flags.get(flag))
+        features = (("c" if flags.get("causal") else "") + ("b" if mask_kind == 1 else "f" if mask_kind == 2 else "")
+                    + letters + ("", "P", "G")[layout])
+        tile_name = f"m{block_m}n{block_n}w{warps}s{stages}"
         cases.append(dict(
-            name=f"{name}[{_TYPE[dtype]},d{head_d}/{head_dv},{features},m{block_m}n{block_n}w{warps}s{stages}]",
+            name=f"{name}[{_TYPE[dtype]},d{head_d}/{head_dv},{features or 'plain'},{tile_name}]",
             fn=fn, signature=_attention_signature(fn, pointers, constexprs), constexprs=constexprs,
             attrs=_divisibility(fn, head_d, head_dv), num_warps=warps, num_stages=stages, expect_wgmma=expect_wgmma))
 
     heads = {64: (64, 64), 128: (128, 128), 256: (256, 256)}
-    kernels = ((attention.attention_fwd_kernel, "attention_fwd", tiles.FWD_TILES_LOWP, tiles.FWD_TILES_FP32),
-               (attention.attention_bwd_dkdv_kernel, "attention_bwd_dkdv", tiles.DKDV_TILES_LOWP,
-                tiles.DKDV_TILES_FP32),
-               (attention.attention_bwd_dq_kernel, "attention_bwd_dq", tiles.DQ_TILES_LOWP, tiles.DQ_TILES_FP32))
-    for kernel, name, lowp, fp32 in kernels:
+    fwd = (attention.attention_fwd_kernel, "attention_fwd", tiles.FWD_TILES_LOWP, tiles.FWD_TILES_FP32)
+    dkdv = (attention.attention_bwd_dkdv_kernel, "attention_bwd_dkdv", tiles.DKDV_TILES_LOWP, tiles.DKDV_TILES_FP32)
+    dq = (attention.attention_bwd_dq_kernel, "attention_bwd_dq", tiles.DQ_TILES_LOWP, tiles.DQ_TILES_FP32)
+    for kernel, name, lowp, fp32 in (fwd, dkdv, dq):
         forward = kernel is attention.attention_fwd_kernel
         for cls, (d, dv) in heads.items():
             for i, tile in enumerate(lowp[cls]):
@@ -108,15 +141,70 @@ def attention_cases():
         table = tiles.DQ_TILES_FP32 if dtype == torch.float32 else tiles.DQ_TILES_LOWP
         add(attention.attention_bwd_dq_kernel, "attention_bwd_dq", dtype, cls, cls, table[cls][0], causal=True,
             mask_kind=2, pad=True, dropout=True, store_ds=True)
+    _extras_cases(add, fwd, dkdv, dq)
     preprocess = jit_function(attention.attention_bwd_preprocess_kernel)
     for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
-        constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block)
+        constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block, stride_om=1)
         t = "*" + _TYPE[dtype]
         cases.append(dict(name=f"attention_bwd_preprocess[{_TYPE[dtype]},dv{dv},m{block}]", fn=preprocess,
                           signature=_attention_signature(preprocess, {"Out": t, "DOut": t, "Delta": "*fp32"},
                                                          constexprs),
                           constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
+    combine = jit_function(attention.attention_combine_kernel)
+    for dtype, dv, sinks, packed in ((torch.float16, 64, False, False), (torch.bfloat16, 128, True, True),
+                                     (torch.float32, 256, True, False), (torch.float16, 23, False, True)):
+        block_dv = tiles.block_dims(dv, dv)[1]
+        block_r, warps = decode.combine_launch_shape(block_dv)
+        constexprs = dict(HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r, PACKED=packed, HAS_SINKS=sinks)
+        pointers = {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*" + _TYPE[dtype], "Lse": "*fp32",
+                    "Sinks": "*fp32"}
+        features = ("k" if sinks else "") + ("P" if packed else "")
+        cases.append(dict(name=f"attention_combine[{_TYPE[dtype]},dv{dv},{features or 'plain'}]",
+                          fn=combine, signature=_attention_signature(combine, pointers, constexprs),
+                          constexprs=constexprs, attrs=_divisibility(combine, dv, dv), num_warps=warps, num_stages=1,
+                          expect_wgmma=False))
     return cases
+
+
+# The contract's extras, as models combine them: Mistral/Gemma-2 local layers (window + softcap),
+# gpt-oss (window + sinks), BLOOM/MPT (ALiBi), packed training (varlen, causal window (-1, 0)) and
+# decoding from a paged cache (split + GQA packing).
+_TRAINING_MIXES = (
+    dict(window_left=True, window_right=True, causal=True),
+    dict(window_left=True, window_right=True, softcap=True, layout=1),
+    dict(alibi=True, mask_kind=2, pad=True),
+    dict(window_left=True, window_right=True, alibi=True, softcap=True, dropout=True),
+)
+_FORWARD_MIXES = (
+    dict(window_left=True, window_right=True, sinks=True, seqused=True, layout=1),
+    dict(split=True, pack_gqa=True, layout=2, window_left=True, window_right=True, sinks=True, softcap=True),
+    dict(split=True, pack_gqa=True, mask_kind=2, pad=True, alibi=True),
+)
+
+
+def _extras_cases(add, fwd, dkdv, dq):
+    for kernel, name, lowp, fp32 in (fwd, dkdv, dq):
+        forward = kernel is fwd[0]
+        mixes = _TRAINING_MIXES + (_FORWARD_MIXES if forward else ())
+        for i, mix in enumerate(mixes):
+            # each mix on the first tile of one head-dim class (rotating), in fp16/bf16
+            cls = (64, 128, 256)[i % 3]
+            dtype = (torch.float16, torch.bfloat16)[i % 2]
+            add(kernel, name, dtype, cls, cls, lowp[cls][0], expect_wgmma=forward, **mix)
+        # every tile of the head-dim-128 class: the decoding mix (forward) and packed causal training
+        # with a window and soft-capping, as Gemma 2 trains (all kernels)
+        for tile in lowp[128][1:]:
+            if forward:
+                add(kernel, name, torch.bfloat16, 128, 128, tile, expect_wgmma=True, **_FORWARD_MIXES[1])
+            add(kernel, name, torch.bfloat16, 128, 128, tile, expect_wgmma=forward, **_TRAINING_MIXES[1])
+        # fp32, with every score feature, packed
+        add(kernel, name, torch.float32, 64, 64, fp32[64][0], layout=1, window_left=True, window_right=True,
+            softcap=True, alibi=True, **({"sinks": True, "seqused": True} if forward else {}))
+        add(kernel, name, torch.float32, 128, 128, fp32[128][0], layout=2 if forward else 1, window_left=True,
+            softcap=True, **({"split": True, "pack_gqa": True, "sinks": True} if forward else {}))
+    # dS out with soft-capping (the factor is taken after the store)
+    add(dq[0], dq[1], torch.bfloat16, 64, 64, dq[2][64][0], mask_kind=2, softcap=True, alibi=True, store_ds=True,
+        window_left=True, window_right=True)
 
 
 # --------------------------------------------------------------------------------------------

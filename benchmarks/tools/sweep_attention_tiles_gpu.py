@@ -8,7 +8,7 @@ each one's time, registers and spills, and its largest relative difference from 
 candidate's dK/dV or dQ (a wrong tile shows up there). The candidates are compiled first in
 `--jobs` worker processes (Triton compiles one kernel at a time per process; the workers fill
 Triton's on-disk cache, the timing process then loads from it). The bf16/fp16 backward tile
-tables in kernels/attention.py were chosen from its output (docs/design.md, "Tiles").
+tables in kernels/attention_tiles.py were chosen from its output (docs/design.md, "Tiles").
 """
 from __future__ import annotations
 
@@ -42,20 +42,24 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     from transformer_fast.kernels.compile_cases import jit_function
 
     B, H, N, D = q.shape
-    meta = ka._common_meta(q, k, v, None, None, causal, 0.0)
+    a = ka.backward_launch_args(dout, q, k, v, lse, None, None, causal, scale, 0.0, 0)
     block_m, block_n, warps, stages = tile
-    args = ka._backward_scalar_args(q, k, v, dout, (0, 0, 0, 0), (0, 0), scale, 0.0, 0)
     tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **ka.LAUNCH_OPTIONS)
+    q_s, k_s, v_s, do_s, lse_s = a["strides"]
+    mask, pad, alibi, cu_q, cu_k = a["masks"]
     if kernel_name == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         fn = jit_function(ka.attention_bwd_dkdv_kernel)
-        compiled = fn[(triton.cdiv(N, block_n), H, B)](q, k, v, dout, lse, delta, dk, dv, q, q, *args, **meta,
-                                                       **tune)
+        unit = (H * N, N, 1)  # the gradients' strides, in rows of the head dim
+        compiled = fn[(triton.cdiv(N, block_n), H, B)](
+            q, k, v, dout, lse, delta, dk, dv, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *unit,
+            *unit, *a["mask_strides"], *a["scalars"], **a["meta"], **tune)
         return (dk, dv), compiled
     dq = torch.empty_like(q)
     fn = jit_function(ka.attention_bwd_dq_kernel)
-    compiled = fn[(triton.cdiv(N, block_m), H, B)](q, k, v, dout, lse, delta, dq, dq, q, q, *args, **meta,
-                                                   STORE_DS=False, **tune)
+    compiled = fn[(triton.cdiv(N, block_m), H, B)](
+        q, k, v, dout, lse, delta, dq, dq, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s,
+        H * N, N, 1, *a["mask_strides"], *a["scalars"], **a["meta"], STORE_DS=False, **tune)
     return (dq,), compiled
 
 
