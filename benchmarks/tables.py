@@ -79,6 +79,8 @@ def _cpu_rows(latest, prefix, name):
                      _day(entry["created"]), _link(entry["file"], prefix)])
     for entry in latest.get((name, "linear_state", ""), [])[:1]:
         rows += _linear_state_rows(entry, prefix)
+    for entry in latest.get((name, "varlen", ""), [])[:1]:
+        rows += _varlen_rows(entry, prefix)
     for entry in latest.get((name, "target_cpu_layer_norm", ""), [])[:1]:
         d = entry["data"]
         rows.append([f"fused residual + LayerNorm, {d['shape']} (forward / forward+backward)",
@@ -104,6 +106,32 @@ def _linear_state_rows(entry, prefix):
     return [[f"causal linear attention prefill with a carried state, {d['shape']}, {threads}: time with the state / "
              f"time without (target: at most {d['target_ratio']:g}x)", figures, _day(entry["created"]),
              _link(entry["file"], prefix)]]
+
+
+def _varlen_rows(entry, prefix):
+    d, rows = entry["data"], []
+    day, link = _day(entry["created"]), _link(entry["file"], prefix)
+
+    def figure(r):
+        target = f" (target {r['target']:g}x)" if r.get("target") else ""
+        return f"{r['ratio']:.2f}x{target}"
+    if d.get("pack", {}).get("status") == "ok":
+        passes = {False: "forward", True: "forward+backward"}
+        rows.append([f"packed sequences (`varlen_attn`), {d['pack']['shape']}: against `F.sdpa` on the batch padded "
+                     "(padding as a mask) and one `F.sdpa` call per sequence",
+                     ", ".join(f"{passes['fwd+bwd' in r['case']]} {figure(r)} "
+                               f"{'the padded batch' if r['torch_impl'] == 'padded' else 'the per-sequence calls'}"
+                               for r in d["pack"]["rows"]), day, link])
+    if d.get("window", {}).get("status") == "ok":
+        growth = d["window"]["peak_rss_growth_mib_by_n"]
+        rows.append([f"sliding window, {d['window']['shape']}, forward: against `F.sdpa` with the (N, N) bool mask",
+                     ", ".join(figure(r) for r in d["window"]["rows"]) + "; memory linear in N ("
+                     + ", ".join(f"{int(n) // 1024}k: {mib:.0f} MiB" for n, mib in growth.items()) + ")", day, link])
+    got = [r for r in d.get("decode", {}).get("rows", []) if r.get("status") == "ok"]
+    if got:
+        rows.append([f"one decoding step, {got[0]['shape']}: against `F.sdpa(enable_gqa=True)`",
+                     ", ".join(f"{r['dtype']} {figure(r)}" for r in got), day, link])
+    return rows
 
 
 def _host_rows(entry, prefix):
@@ -132,12 +160,17 @@ def _models_rows(entry, prefix):
             continue
         done.add(key)
         same = [x for x in got if (x["model"], x["case"], x["precision"]) == key]
+        def pieces(x):
+            sdpa, ours = x.get("attention_norms_ms_sdpa"), x.get("attention_norms_ms_ours")
+            return f"; {sdpa / ours:.2f}x" if sdpa and ours else ""
         shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x "
-                           f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%)"
+                           f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%{pieces(x)})"
                            for x in same)
+        has_pieces = any(pieces(x) for x in same)
         rows.append([f"{r['model']} {r['case']} against the same model on `sdpa`, {r['precision']} ({r['size']}; "
                      f"`{entry['data']['preset']}` sizes): per batch x length, the ratio (the share of attention + "
-                     f"norms in the sdpa model's time)", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
+                     f"norms in the sdpa model's time" + ("; their time in sdpa's model over ours" if has_pieces else "")
+                     + ")", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
     return rows
 
 
