@@ -238,44 +238,41 @@ struct Operand {
   }
 };
 
-// Query-side tensors: q, out, dout, dq ((B, H, Nq, W) or packed (Tq, H, W)).
+// A dense (B, heads, N, W) tensor, or a packed (rows, heads, W) one whose sequences start at the
+// rows in `starts`.
 template <typename T>
-Operand<T> query_operand(const at::Tensor& t, const Problem& p) {
+Operand<T> strided_operand(const at::Tensor& t, bool packed, const int32_t* starts) {
   Operand<T> o;
   o.data = static_cast<T*>(t.data_ptr());
-  if (p.packed()) {
-    o.sh = t.stride(1);
+  o.sh = t.stride(1);
+  if (packed) {
     o.sn = t.stride(0);
-    o.starts = p.cu_seq_q;
+    o.starts = starts;
   } else {
     o.sb = t.stride(0);
-    o.sh = t.stride(1);
     o.sn = t.stride(2);
   }
   return o;
 }
 
+// Query-side tensors: q, out, dout, dq ((B, H, Nq, W) or packed (Tq, H, W)).
+template <typename T>
+Operand<T> query_operand(const at::Tensor& t, const Problem& p) {
+  return strided_operand<T>(t, p.packed(), p.cu_seq_q);
+}
+
 // Key-side tensors: k, v, dk, dv ((B, Hk, Nk, W), packed (Tk, Hk, W) or paged (pages, page_size, Hk, W)).
 template <typename T>
 Operand<T> key_operand(const at::Tensor& t, const Problem& p) {
+  if (!p.paged()) return strided_operand<T>(t, p.packed(), p.cu_seq_k);
   Operand<T> o;
   o.data = static_cast<T*>(t.data_ptr());
-  if (p.paged()) {
-    o.sh = t.stride(2);
-    o.sn = t.stride(1);
-    o.pages = p.block_table;
-    o.pages_per_seq = p.pages_per_seq;
-    o.page_size = p.page_size;
-    o.page_stride = t.stride(0);
-  } else if (p.packed()) {
-    o.sh = t.stride(1);
-    o.sn = t.stride(0);
-    o.starts = p.cu_seq_k;
-  } else {
-    o.sb = t.stride(0);
-    o.sh = t.stride(1);
-    o.sn = t.stride(2);
-  }
+  o.sh = t.stride(2);
+  o.sn = t.stride(1);
+  o.pages = p.block_table;
+  o.pages_per_seq = p.pages_per_seq;
+  o.page_size = p.page_size;
+  o.page_stride = t.stride(0);
   return o;
 }
 
