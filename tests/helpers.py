@@ -4,7 +4,10 @@ A kernel in dtype T is judged against the float64 reference: its error may be at
 error of the same reference computed in T (the policy flash-attention uses), plus a small
 absolute slack for results whose reference error happens to be ~0.
 """
+import pytest
 import torch
+
+import transformer_fast as tf
 
 # Absolute slack per dtype: a few ulps at magnitude ~1, far below a real bug's error.
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float64: 1e-12}
@@ -73,3 +76,14 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, w
         for i, a, b, c in zip(grad_inputs, g_k, g_64, g_alt):
             assert_close_to_reference(a, b, c, what=f"{what} grad of input {i}", factor=factor, atol=atol)
     return out_k
+
+
+def kernel_device():
+    """Where the Triton kernels run: a GPU, or the interpreter on CPU tensors."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# A module of Triton tests: marked `triton`, skipped (with the reason) where the backend cannot run.
+TRITON_TESTS = [pytest.mark.triton,
+                pytest.mark.skipif(tf.available_backends()["triton"] is not None,
+                                   reason=f"triton backend unavailable: {tf.available_backends()['triton']}")]

@@ -9,6 +9,7 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+from helpers import kernel_device as _device
 
 BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
 
@@ -24,10 +25,6 @@ def _dtype(backend):
     """The low-precision dtype each backend is tested in here (the interpreter's bf16 products
     are unreliable, so Triton takes fp16)."""
     return {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}[backend]
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # (Nq, Nk, window, is_causal): windows aligned to the bottom right when Nq != Nk.

@@ -13,20 +13,10 @@ from transformer_fast import reference
 
 from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, differentiable_attention,
                              kernel_attention_forward, make_qkv, random_attn_mask, random_key_padding)
+from helpers import TRITON_TESTS, kernel_device as _device
 
-pytestmark = pytest.mark.triton
+pytestmark = TRITON_TESTS
 ops = torch.ops.transformer_fast
-
-
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    reason = tf.available_backends()["triton"]
-    if reason is not None:
-        pytest.skip(f"triton backend unavailable: {reason}")
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,20 +17,9 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import check_attention, flash_gradients, make_qkv, random_attn_mask, random_key_padding
-from helpers import assert_close_to_reference, compare_with_reference
+from helpers import TRITON_TESTS, assert_close_to_reference, compare_with_reference, kernel_device as _device
 
-pytestmark = pytest.mark.triton
-
-
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    reason = tf.available_backends()["triton"]
-    if reason is not None:
-        pytest.skip(f"triton backend unavailable: {reason}")
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_TESTS
 
 
 def check_dense(q, k, v, *, window=None, alibi=None, grads=True, **kwargs):

@@ -9,13 +9,9 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import make_qkv, random_key_padding
-from helpers import compare_with_reference
+from helpers import TRITON_TESTS, compare_with_reference, kernel_device as _device
 
-pytestmark = pytest.mark.triton
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_TESTS
 
 
 def _check(B, H, Nq, Nk, D, Dv, *, causal, pad, dtype=torch.float32, layout="bhnd", device=None):

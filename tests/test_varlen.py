@@ -8,7 +8,7 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import flash_gradients
-from helpers import assert_close_to_reference, compare_with_reference
+from helpers import assert_close_to_reference, compare_with_reference, kernel_device as _device
 
 BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
 ops = torch.ops.transformer_fast
@@ -23,10 +23,6 @@ def _needs_backend(request):
 
 def _dtype(backend):
     return {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}[backend]
-
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def offsets(lengths):
