@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import platform
 import statistics
@@ -99,6 +100,24 @@ def paired_ratio(times, base, impl):
     """Median over rounds of base time / impl time (> 1: impl is faster), from `time_interleaved(...,
     keep_samples=True)`. Both ran in every round, so a slow phase of the machine cancels out."""
     return statistics.median(b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"]))
+
+
+def paired_ratio_interval(times, base, impl, confidence=0.95):
+    """(low, high): a distribution-free confidence interval for the median of the per-round ratios
+    of `paired_ratio`. The number of rounds whose ratio lies below the true median is
+    Binomial(n, 1/2), so the order statistics r_(j) <= median <= r_(n+1-j) hold with probability
+    1 - 2 P(X < j); j is the largest rank that keeps that at least `confidence`. With fewer than 6
+    rounds no interval reaches 95%: it is then the whole range of the ratios."""
+    ratios = sorted(b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"]))
+    n = len(ratios)
+    below, j = 0.0, 0  # P(X < j + 1) accumulates; j + 1 stays a valid rank while the tails fit
+    while j < n // 2:
+        below += math.comb(n, j) / 2 ** n
+        if 1 - 2 * below < confidence:
+            break
+        j += 1
+    j = max(j, 1)
+    return ratios[j - 1], ratios[n - j]
 
 
 def _time_cuda(fns, rounds, keep_samples=False):

@@ -379,6 +379,7 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
                                      min_repeats=args.min_repeats, budget_s=args.budget,
                                      min_sample_s=args.min_sample_ms / 1e3, keep_samples=True)
     ratio = measure.paired_ratio(times, "sdpa", "ours")
+    ratio_low, ratio_high = measure.paired_ratio_interval(times, "sdpa", "ours")
     shares = {"attention": None, "norms": None}
     pieces_ms = {"sdpa": None, "ours": None}
     if device.type == "cpu":  # the profiler's CPU view would not see the CUDA kernels' time
@@ -392,13 +393,14 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
     share = (shares["attention"] + shares["norms"]) if shares["attention"] is not None else None
     target = 1.15 if share is not None and share >= 0.4 else 1.0
     row.update(status="ok", sdpa_ms=times["sdpa"]["median_ms"], ours_ms=times["ours"]["median_ms"], ratio=ratio,
-               rounds=times["ours"]["samples"], tokens_per_s_sdpa=case["tokens"] / times["sdpa"]["median_ms"] * 1e3,
+               ratio_low=ratio_low, ratio_high=ratio_high, rounds=times["ours"]["samples"], tokens_per_s_sdpa=case["tokens"] / times["sdpa"]["median_ms"] * 1e3,
                tokens_per_s_ours=case["tokens"] / times["ours"]["median_ms"] * 1e3, share_attention=shares["attention"],
                share_norms=shares["norms"], attention_norms_ms_sdpa=pieces_ms["sdpa"],
-               attention_norms_ms_ours=pieces_ms["ours"], target_ratio=target, met=ratio >= target)
+               attention_norms_ms_ours=pieces_ms["ours"], target_ratio=target, met=ratio >= target,
+               below_target_at_95=ratio_high < target)
     pieces = (f", {pieces_ms['sdpa']:.1f} ms sdpa / {pieces_ms['ours']:.1f} ms ours"
               if pieces_ms["sdpa"] is not None else "")
-    print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f}  "
+    print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f} [{ratio_low:.2f}, {ratio_high:.2f}]  "
           f"attention+norms {_pct(share)} of the sdpa model{pieces}", flush=True)
     return row
 
@@ -406,6 +408,18 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
 def _pieces(row):
     sdpa, ours = row.get("attention_norms_ms_sdpa"), row.get("attention_norms_ms_ours")
     return "-" if sdpa is None or ours is None else f"{sdpa:.1f} / {ours:.1f}"
+
+
+def _ratio(row):
+    if row.get("ratio_low") is None:
+        return f"{row['ratio']:.2f}"
+    return f"{row['ratio']:.2f} [{row['ratio_low']:.2f}, {row['ratio_high']:.2f}]"
+
+
+def _verdict(row):
+    if row["met"]:
+        return "met"
+    return "**missed**: slower" if row.get("below_target_at_95") else "**missed** (within noise)"
 
 
 def _pct(x):
@@ -421,13 +435,15 @@ def markdown(result):
               + ", ".join(f"{d} {r:.1f} GFLOP/s" for d, r in body["matmul_gflops"].items()) + ".", ""]
     for family, p in body["sizes"].items():
         lines.append(f"- {family}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
-    lines += ["", "Ratio: the sdpa model's time over ours (> 1: ours is faster), median over interleaved rounds. "
+    lines += ["", "Ratio: the sdpa model's time over ours (> 1: ours is faster), median over interleaved rounds, with "
+              "its 95% confidence interval (order statistics of the per-round ratios). A missed target is "
+              "'slower' where the whole interval lies below it, else 'within noise'. "
               "Share: the fraction of one profiled call of the sdpa model spent in attention / in normalisation. "
               "Pieces: the time attention + norms took in one profiled call of each model (forward and backward; "
               "the part the swap changes). Target: >= 1.0, and >= 1.15 where attention + norms take >= 40%.", "",
-              "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio | attention / norms "
+              "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio [95% interval] | rounds | attention / norms "
               "share | pieces ms, sdpa / ours | target | check error / bound |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---:|"]
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
     notes = []
     for r in body["rows"]:
         if r["status"] == "skipped" and "case" not in r:
@@ -437,10 +453,10 @@ def markdown(result):
         check = f"{r['max_error']:.1e} / {r['error_bound']:.1e}" if r.get("max_error") is not None else "-"
         if r["status"] == "ok":
             lines.append(f"{head} {r['sdpa_ms']:.1f} | {r['ours_ms']:.1f} | {r['tokens_per_s_ours']:.0f} | "
-                         f"{r['ratio']:.2f} | {_pct(r['share_attention'])} / {_pct(r['share_norms'])} | "
-                         f"{_pieces(r)} | >= {r['target_ratio']:.2f}: {'met' if r['met'] else '**missed**'} | {check} |")
+                         f"{_ratio(r)} | {r['rounds']} | {_pct(r['share_attention'])} / {_pct(r['share_norms'])} | "
+                         f"{_pieces(r)} | >= {r['target_ratio']:.2f}: {_verdict(r)} | {check} |")
         else:
-            lines.append(f"{head} | | | {r['status'].upper()} | | | {r.get('note', '')} | {check} |")
+            lines.append(f"{head} | | | {r['status'].upper()} | | | | {r.get('note', '')} | {check} |")
         if "same_greedy_tokens" in r:
             notes.append(f"- llama {r['case']}, B={r['batch']}, {r['precision']}: "
                          f"{100 * r['same_greedy_tokens']:.0f}% of the greedy tokens equal the sdpa model's")

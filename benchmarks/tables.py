@@ -163,12 +163,16 @@ def _models_rows(entry, prefix):
         def pieces(x):
             sdpa, ours = x.get("attention_norms_ms_sdpa"), x.get("attention_norms_ms_ours")
             return f"; {sdpa / ours:.2f}x" if sdpa and ours else ""
-        shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x "
+        def interval(x):
+            return f" [{x['ratio_low']:.2f}, {x['ratio_high']:.2f}]" if x.get("ratio_low") is not None else ""
+        shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x{interval(x)} "
                            f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%{pieces(x)})"
                            for x in same)
         has_pieces = any(pieces(x) for x in same)
+        has_interval = any(interval(x) for x in same)
         rows.append([f"{r['model']} {r['case']} against the same model on `sdpa`, {r['precision']} ({r['size']}; "
-                     f"`{entry['data']['preset']}` sizes): per batch x length, the ratio (the share of attention + "
+                     f"`{entry['data']['preset']}` sizes): per batch x length, the ratio"
+                     + (" [its 95% interval]" if has_interval else "") + " (the share of attention + "
                      f"norms in the sdpa model's time" + ("; their time in sdpa's model over ours" if has_pieces else "")
                      + ")", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
     return rows

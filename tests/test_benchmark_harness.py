@@ -355,11 +355,25 @@ def test_models_suite_checks_and_times_each_model(harness):
             continue
         assert r["status"] == "ok" and r["max_error"] <= r["error_bound"], r
         assert r["sdpa_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 and r["tokens_per_s_ours"] > 0
+        assert r["ratio_low"] <= r["ratio"] <= r["ratio_high"], r
+        assert r["below_target_at_95"] == (r["ratio_high"] < r["target_ratio"])
         assert 0 < r["share_attention"] < 1 and 0 < r["share_norms"] < 1, r
         assert r["target_ratio"] == (1.15 if r["share_attention"] + r["share_norms"] >= 0.4 else 1.0)
     assert encdec["status"] == "ok"
     md = (out / "smoke-models.md").read_text()
     assert md.startswith("# models:") and "| encdec | train step | 1 | 8 | float32 |" in md
+
+
+def test_paired_ratio_interval_is_the_binomial_order_statistics():
+    """The ranks of the distribution-free 95% interval for a median (any statistics table): n = 10
+    -> 2nd and 9th ratios, 25 -> 8th and 18th, 50 -> 18th and 33rd; below 6 rounds, the range."""
+    from benchmarks import measure
+
+    for n, (low, high) in {5: (1, 5), 6: (1, 6), 10: (2, 9), 25: (8, 18), 50: (18, 33)}.items():
+        ratios = [float(r) for r in range(n, 0, -1)]  # base times n .. 1 against a constant: ratios n .. 1
+        times = {"base": {"samples_ms": ratios}, "impl": {"samples_ms": [1.0] * n}}
+        assert measure.paired_ratio_interval(times, "base", "impl") == (low, high), n
+        assert low <= measure.paired_ratio(times, "base", "impl") <= high
 
 
 def test_time_shares_attribute_forward_and_backward():
