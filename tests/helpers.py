@@ -87,3 +87,28 @@ def kernel_device():
 TRITON_TESTS = [pytest.mark.triton,
                 pytest.mark.skipif(tf.available_backends()["triton"] is not None,
                                    reason=f"triton backend unavailable: {tf.available_backends()['triton']}")]
+
+
+# The backends a test parametrized over "backend" runs on, and the low-precision dtype each is tested
+# in (the interpreter's bf16 products are unreliable, so Triton takes fp16).
+BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
+LOW_PRECISION = {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}
+
+
+@pytest.fixture
+def skip_unavailable_backend(request):
+    """Skips a test parametrized with an unavailable ``backend``, with the reason. A module opts
+    in with ``pytestmark = pytest.mark.usefixtures("skip_unavailable_backend")``."""
+    backend = request.node.callspec.params.get("backend") if hasattr(request.node, "callspec") else None
+    if backend is not None and tf.available_backends()[backend] is not None:
+        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
+
+
+def result_strides(like, width):
+    """The strides torch's attention gives a result of ``like`` (B, H, N, W) with last dim
+    ``width``: (B, N, H, width) memory where ``like`` keeps each row's heads together (its head
+    stride below its row stride), else contiguous; packed (T, H, W) results are contiguous."""
+    if like.dim() == 4 and like.stride(1) < like.stride(2):
+        B, H, N = like.shape[:3]
+        return torch.empty(B, N, H, width).transpose(1, 2).stride()
+    return torch.empty(*like.shape[:-1], width).stride()

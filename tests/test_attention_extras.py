@@ -9,22 +9,10 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
-from helpers import kernel_device as _device
+from helpers import BACKENDS, LOW_PRECISION, kernel_device as _device
+from helpers import skip_unavailable_backend  # noqa: F401 (a fixture)
 
-BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
-
-
-@pytest.fixture(autouse=True)
-def _needs_backend(request):
-    backend = request.node.callspec.params.get("backend") if hasattr(request.node, "callspec") else None
-    if backend is not None and tf.available_backends()[backend] is not None:
-        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
-
-
-def _dtype(backend):
-    """The low-precision dtype each backend is tested in here (the interpreter's bf16 products
-    are unreliable, so Triton takes fp16)."""
-    return {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}[backend]
+pytestmark = pytest.mark.usefixtures("skip_unavailable_backend")
 
 
 # (Nq, Nk, window, is_causal): windows aligned to the bottom right when Nq != Nk.
@@ -42,14 +30,14 @@ WINDOWS = [
 @pytest.mark.parametrize("case", WINDOWS, ids=str)
 def test_window(backend, case):
     Nq, Nk, window, is_causal = case
-    for dtype in (torch.float32, _dtype(backend)):
+    for dtype in (torch.float32, LOW_PRECISION[backend]):
         q, k, v = make_qkv(2, 2, Nq, Nk, 16, dtype=dtype, device=_device())
         check_attention(backend, q, k, v, window_size=window, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_with_padding_mask_and_gqa(backend):
-    dtype = _dtype(backend)
+    dtype = LOW_PRECISION[backend]
     q, k, v = make_qkv(3, 4, 33, 33, 24, Hk=2, dtype=dtype, device=_device())
     pad = random_key_padding(3, 33, fully_padded_row=2, device=_device())
     mask = random_attn_mask((33, 33), "bool", device=_device())
@@ -60,7 +48,7 @@ def test_window_with_padding_mask_and_gqa(backend):
 def test_softcap_with_extreme_scores(backend):
     """Scores of a few hundred: the cap, not the scale, decides the softmax; a float mask that
     requires grad gets the gradient of the final score (before the cap's derivative)."""
-    for dtype in (torch.float32, _dtype(backend)):
+    for dtype in (torch.float32, LOW_PRECISION[backend]):
         q, k, v = make_qkv(2, 2, 17, 33, 16, dtype=dtype, device=_device())
         q = (q * 20).to(dtype)
         check_attention(backend, q, k, v, softcap=30.0, is_causal=True)
@@ -78,7 +66,7 @@ def test_softcap_with_extreme_scores(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_alibi(backend, per_batch):
-    for dtype in (torch.float32, _dtype(backend)):
+    for dtype in (torch.float32, LOW_PRECISION[backend]):
         q, k, v = make_qkv(2, 4, 17, 40, 16, dtype=dtype, device=_device())
         slopes = torch.rand(2, 4, device=_device()) if per_batch else 2.0 ** -torch.arange(1, 5, device=_device())
         check_attention(backend, q, k, v, alibi_slopes=slopes, is_causal=not per_batch)
@@ -88,7 +76,7 @@ def test_alibi(backend, per_batch):
 def test_sinks_with_fully_masked_rows(backend):
     """A row with no allowed key gives 0 (the sink takes all the probability), never NaN, and
     the sinks get their gradient."""
-    for dtype in (torch.float32, _dtype(backend)):
+    for dtype in (torch.float32, LOW_PRECISION[backend]):
         q, k, v = make_qkv(3, 2, 17, 33, 16, dtype=dtype, device=_device())
         pad = random_key_padding(3, 33, fully_padded_row=1, device=_device())
         sinks = torch.randn(2, device=_device()).to(dtype)
@@ -98,7 +86,7 @@ def test_sinks_with_fully_masked_rows(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_extras_together(backend):
-    dtype = _dtype(backend)
+    dtype = LOW_PRECISION[backend]
     q, k, v = make_qkv(2, 4, 33, 40, 24, Dv=16, Hk=2, dtype=dtype, device=_device())
     pad = random_key_padding(2, 40, device=_device())
     check_attention(backend, q, k, v, key_padding_mask=pad, window_size=(6, 2), softcap=5.0,
@@ -109,7 +97,7 @@ def test_all_extras_together(backend):
 def test_decoding_query_against_a_long_cache(backend):
     """One query per head against many keys (the decoding step), GQA, with a window and sinks."""
     Nk = 64 if backend == "triton" else 700
-    q, k, v = make_qkv(2, 8, 1, Nk, 32, Hk=2, dtype=_dtype(backend), device=_device())
+    q, k, v = make_qkv(2, 8, 1, Nk, 32, Hk=2, dtype=LOW_PRECISION[backend], device=_device())
     check_attention(backend, q, k, v)
     check_attention(backend, q, k, v, window_size=(40, 0), sinks=torch.randn(8, device=_device()))
 

@@ -12,7 +12,7 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import flash_gradients, random_key_padding
-from helpers import assert_close_to_reference
+from helpers import assert_close_to_reference, kernel_device as _device
 from test_attention_cuda_emulated import emulated_attention, emulation  # noqa: F401 (a fixture)
 
 LAYOUTS = ("expand", "unfold", "overlap")
@@ -84,11 +84,6 @@ def _operands(shapes, strided_ones, kind, dtype, device="cpu"):
         else:
             out[name] = torch.randn(shape, dtype=dtype, device=device)
     return out
-
-
-def _device():
-    """Where the Triton kernels run: a GPU, or the interpreter on the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---------------------------------------------------------------------------------------------

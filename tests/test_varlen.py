@@ -8,21 +8,11 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import flash_gradients
-from helpers import assert_close_to_reference, compare_with_reference, kernel_device as _device
+from helpers import BACKENDS, LOW_PRECISION, assert_close_to_reference, compare_with_reference
+from helpers import kernel_device as _device, skip_unavailable_backend  # noqa: F401 (a fixture)
 
-BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)]
+pytestmark = pytest.mark.usefixtures("skip_unavailable_backend")
 ops = torch.ops.transformer_fast
-
-
-@pytest.fixture(autouse=True)
-def _needs_backend(request):
-    backend = request.node.callspec.params.get("backend") if hasattr(request.node, "callspec") else None
-    if backend is not None and tf.available_backends()[backend] is not None:
-        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
-
-
-def _dtype(backend):
-    return {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}[backend]
 
 
 def offsets(lengths):
@@ -94,7 +84,7 @@ PACKS = [
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 0), (2, 3)], ids=str)
 def test_packs_and_windows(backend, pack, window):
     q_lens, k_lens = pack
-    dtypes = (torch.float32,) if window in ((-1, -1), (2, 3)) else (torch.float32, _dtype(backend))
+    dtypes = (torch.float32,) if window in ((-1, -1), (2, 3)) else (torch.float32, LOW_PRECISION[backend])
     for dtype in dtypes:
         q, k, v, cu_q, cu_k = make_pack(q_lens, k_lens or q_lens, dtype=dtype)
         check_varlen(backend, q, k, v, cu_q, cu_k, window_size=window)
@@ -102,7 +92,7 @@ def test_packs_and_windows(backend, pack, window):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gqa_softcap_alibi_sinks(backend):
-    dtype = _dtype(backend)
+    dtype = LOW_PRECISION[backend]
     q, k, v, cu_q, cu_k = make_pack([9, 0, 24], [9, 3, 30], H=4, Hk=2, D=24, Dv=8, dtype=dtype)
     check_varlen(backend, q, k, v, cu_q, cu_k, window_size=(-1, 0), softcap=4.0,
                  alibi_slopes=torch.rand(3, 4, device=_device()), sinks=torch.randn(4, device=_device()).to(dtype),
@@ -123,7 +113,7 @@ def test_log_sum_exp(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seqused_k_shorter_than_the_slot(backend):
-    q, k, v, cu_q, cu_k = make_pack([1, 4, 2], [12, 20, 7], dtype=_dtype(backend))
+    q, k, v, cu_q, cu_k = make_pack([1, 4, 2], [12, 20, 7], dtype=LOW_PRECISION[backend])
     used = torch.tensor([5, 20, 0], dtype=torch.int32, device=_device())
     with torch.no_grad():
         check_varlen(backend, q, k, v, cu_q, cu_k, seqused_k=used, window_size=(-1, 0), grads=False)
@@ -143,9 +133,9 @@ def paged(k_lens, page_size, H=2, D=16, dtype=torch.float32, spare=3):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [5, 16])
 def test_paged_cache_with_pages_out_of_order(backend, page_size):
-    k, v, table, used = paged([23, 1, 40], page_size, dtype=_dtype(backend))
+    k, v, table, used = paged([23, 1, 40], page_size, dtype=LOW_PRECISION[backend])
     for q_lens in ([1, 1, 1], [3, 1, 7]):  # decoding, and a chunk of new queries over the cache
-        q = torch.randn(sum(q_lens), 2, 16, dtype=_dtype(backend), device=_device())
+        q = torch.randn(sum(q_lens), 2, 16, dtype=LOW_PRECISION[backend], device=_device())
         with torch.no_grad():
             check_varlen(backend, q, k, v, offsets(q_lens), None, seqused_k=used, block_table=table,
                          window_size=(-1, 0), grads=False)

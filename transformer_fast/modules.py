@@ -476,11 +476,31 @@ def _finish_stack(norm, delta, residual):
     return _norm_add(norm, delta, residual)[0]
 
 
-class TransformerEncoder(_NotScriptable, nn.TransformerEncoder):
+class _LayerStack:
+    """The encoder and decoder stacks' conversion: the torch.nn layers (type ``_torch_layer``) in
+    ``self.layers`` become ours (``_our_layer``), and the final norm ours."""
+
+    def _adopt_children(self, attention=None):
+        for layer in self.layers:  # attention=None: torch layers get softmax, ours keep theirs
+            if type(layer) is self._torch_layer:
+                self._our_layer.from_torch(layer, attention or "softmax")
+            elif isinstance(layer, self._our_layer) and attention is not None:
+                layer._adopt_children(attention)
+        self.norm = _adopt_norm(self.norm) if self.norm is not None else None
+
+    @classmethod
+    def from_torch(cls, module, attention="softmax"):
+        """Turns ``module`` (the torch.nn stack this class replaces) into this class in place."""
+        _adopt(module, cls)._adopt_children(attention)
+        return module
+
+
+class TransformerEncoder(_LayerStack, _NotScriptable, nn.TransformerEncoder):
     """Drop-in ``torch.nn.TransformerEncoder``. torch.nn layers (and the norm) given to it are
     turned into ours; pre-norm layers pass (delta, residual) pairs to each other so that every
     residual add is fused into the next LayerNorm. ``enable_nested_tensor`` is accepted and
     ignored (no nested-tensor conversion)."""
+    _torch_layer, _our_layer = nn.TransformerEncoderLayer, TransformerEncoderLayer
 
     def __init__(self, encoder_layer, num_layers, norm=None, enable_nested_tensor=True, mask_check=True, *,
                  attention=None):
@@ -488,20 +508,6 @@ class TransformerEncoder(_NotScriptable, nn.TransformerEncoder):
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False, mask_check=mask_check)
         self.enable_nested_tensor = enable_nested_tensor
         self._adopt_children(attention)
-
-    def _adopt_children(self, attention=None):
-        for layer in self.layers:  # attention=None: torch layers get softmax, ours keep theirs
-            if type(layer) is nn.TransformerEncoderLayer:
-                TransformerEncoderLayer.from_torch(layer, attention or "softmax")
-            elif isinstance(layer, TransformerEncoderLayer) and attention is not None:
-                layer._adopt_children(attention)
-        self.norm = _adopt_norm(self.norm) if self.norm is not None else None
-
-    @classmethod
-    def from_torch(cls, module, attention="softmax"):
-        """Turns ``module`` (a ``torch.nn.TransformerEncoder``) into this class in place."""
-        _adopt(module, cls)._adopt_children(attention)
-        return module
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         first = self.layers[0] if len(self.layers) else None
@@ -518,26 +524,13 @@ class TransformerEncoder(_NotScriptable, nn.TransformerEncoder):
         return _finish_stack(self.norm, delta, residual)
 
 
-class TransformerDecoder(_NotScriptable, nn.TransformerDecoder):
+class TransformerDecoder(_LayerStack, _NotScriptable, nn.TransformerDecoder):
     """Drop-in ``torch.nn.TransformerDecoder``; see ``TransformerEncoder``."""
+    _torch_layer, _our_layer = nn.TransformerDecoderLayer, TransformerDecoderLayer
 
     def __init__(self, decoder_layer, num_layers, norm=None, *, attention=None):
         super().__init__(decoder_layer, num_layers, norm=norm)
         self._adopt_children(attention)
-
-    def _adopt_children(self, attention=None):
-        for layer in self.layers:  # attention=None: torch layers get softmax, ours keep theirs
-            if type(layer) is nn.TransformerDecoderLayer:
-                TransformerDecoderLayer.from_torch(layer, attention or "softmax")
-            elif isinstance(layer, TransformerDecoderLayer) and attention is not None:
-                layer._adopt_children(attention)
-        self.norm = _adopt_norm(self.norm) if self.norm is not None else None
-
-    @classmethod
-    def from_torch(cls, module, attention="softmax"):
-        """Turns ``module`` (a ``torch.nn.TransformerDecoder``) into this class in place."""
-        _adopt(module, cls)._adopt_children(attention)
-        return module
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
