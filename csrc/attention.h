@@ -175,8 +175,9 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
   return p;
 }
 
-// Allocates a kernel output (bindings.cpp; NaN-filled under TRANSFORMER_FAST_POISON=1).
+// Allocate kernel outputs (bindings.cpp; see ops.h).
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options);
 
 inline void check_shape(const char* fn, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
   TORCH_CHECK_VALUE(t.sizes() == expected, fn, ": ", name, " must have shape ", expected, ", got ", t.sizes());
@@ -217,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_entry(
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
   const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
-  at::Tensor out = new_output({p.B, p.H, p.Nq, p.Dv}, q.options());
+  at::Tensor out = new_output_in_rows_of(q_in, p.Dv, q.options());
   at::Tensor lse = new_output({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   if (p.B * p.H * p.Nq == 0) return {out, lse};
   if (p.Nk == 0) {
@@ -251,9 +252,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_en
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
   const Problem p = make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
-  at::Tensor dq = new_output(q.sizes(), q.options());
-  at::Tensor dk = new_output(k.sizes(), k.options());
-  at::Tensor dv = new_output(v.sizes(), v.options());
+  at::Tensor dq = new_output_in_rows_of(q_in, p.D, q.options());
+  at::Tensor dk = new_output_in_rows_of(k_in, p.D, k.options());
+  at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, v.options());
   // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
   // above the causal diagonal are skipped).
   at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();

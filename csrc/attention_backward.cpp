@@ -296,9 +296,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
     }
   });
 
-  // dQ: the slices summed in order, into dq's row of each lse index (dense: the same index;
-  // packed: lse (H, Tq) against dq (Tq, H, D)).
+  // dQ: the slices summed in order, into dq's row of each lse index (dense: lse (B, H, Nq); packed:
+  // lse (H, Tq) against dq (Tq, H, D)), through dq's strides (it is laid out as q is).
   scalar_t* dq_data = dq.data_ptr<scalar_t>();
+  const int64_t dq_s0 = dq.stride(0), dq_s1 = dq.stride(1), dq_s2 = p.packed() ? 0 : dq.stride(2);
   at::parallel_for(0, lse_rows, 64, [&](int64_t begin, int64_t end) {
     TileBuffer<float> sum(D);
     for (int64_t row = begin; row < end; ++row) {
@@ -308,8 +309,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
         for (int64_t d = 0; d < D; ++d) sum[d] += part[d];
       }
       if (dq_scale != 1.f) scale_row(sum.data(), D, dq_scale);
-      const int64_t dst = p.packed() ? (row % p.Tq) * p.H + row / p.Tq : row;
-      convert_row(sum.data(), dq_data + dst * D, D);
+      const int64_t dst = p.packed() ? (row % p.Tq) * dq_s0 + row / p.Tq * dq_s1
+                                     : row / (p.H * p.Nq) * dq_s0 + row / p.Nq % p.H * dq_s1 + row % p.Nq * dq_s2;
+      convert_row(sum.data(), dq_data + dst, D);
     }
   });
 }
@@ -344,9 +346,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   const at::Tensor dout = unit_last_stride(dout_in.to(cp.q.scalar_type()));
   const at::Tensor out = unit_last_stride(out_in.to(cp.q.scalar_type()));
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
-  at::Tensor dq = new_output(cp.q.sizes(), cp.q.options());
-  at::Tensor dk = new_output(cp.k.sizes(), cp.k.options());
-  at::Tensor dv = new_output(cp.v.sizes(), cp.v.options());
+  at::Tensor dq = new_output_in_rows_of(q_in, p.D, cp.q.options());
+  at::Tensor dk = new_output_in_rows_of(k_in, p.D, cp.k.options());
+  at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, cp.v.options());
   // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
   // outside every row's band are skipped).
   at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, cp.q.options()) : at::Tensor();

@@ -173,7 +173,7 @@ template <typename scalar_t, int kDims>
 __global__ void __launch_bounds__(kThreads)
     attention_fwd_kernel(const Problem p, const scalar_t* __restrict__ q, Layout qs, const scalar_t* __restrict__ k,
                          Layout ks, const scalar_t* __restrict__ v, Layout vs, scalar_t* __restrict__ out,
-                         float* __restrict__ lse, int tile) {
+                         Layout os, float* __restrict__ lse, int tile) {
   TF_SHARED_MEMORY(smem);
   const int D = static_cast<int>(p.D), Dv = static_cast<int>(p.Dv), ldk = D + 1, ldv = Dv + 1;
   float* k_tile = smem;                  // tile x ldk (the +1 keeps lane-per-key reads off one bank)
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
     if (i >= p.Nq) break;
     const bool any = l[r] != 0.f;  // (NaN too: a NaN score makes the row NaN, as it should)
     const float inv = 1.f / l[r];
-    scalar_t* o = out + (bh * p.Nq + i) * Dv;
+    scalar_t* o = out + b * os.sb + h * os.sh + i * os.sn;
 #pragma unroll
     for (int t = 0; t < kDims; ++t) {
       const int d = lane + 32 * t;
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_bwd_dq_kernel(const Problem p, const scalar_t* __restrict__ q, Layout qs, const scalar_t* __restrict__ k,
                             Layout ks, const scalar_t* __restrict__ v, Layout vs, const scalar_t* __restrict__ dout,
                             Layout dos, const float* __restrict__ lse, const float* __restrict__ delta,
-                            scalar_t* __restrict__ dq, scalar_t* __restrict__ ds_out, int tile) {
+                            scalar_t* __restrict__ dq, Layout dqs, scalar_t* __restrict__ ds_out, int tile) {
   TF_SHARED_MEMORY(smem);
   const int D = static_cast<int>(p.D), Dv = static_cast<int>(p.Dv), ldk = D + 1, ldv = Dv + 1;
   float* k_tile = smem;                    // tile x ldk
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRows; ++r) {
     const int64_t i = row0 + r;
     if (i >= p.Nq) break;
-    scalar_t* g = dq + (bh * p.Nq + i) * D;
+    scalar_t* g = dq + b * dqs.sb + h * dqs.sh + i * dqs.sn;
 #pragma unroll
     for (int t = 0; t < kDims; ++t) {
       const int d = lane + 32 * t;
@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(kThreads)
     attention_bwd_dkdv_kernel(const Problem p, const scalar_t* __restrict__ q, Layout qs,
                               const scalar_t* __restrict__ k, Layout ks, const scalar_t* __restrict__ v, Layout vs,
                               const scalar_t* __restrict__ dout, Layout dos, const float* __restrict__ lse,
-                              const float* __restrict__ delta, scalar_t* __restrict__ dk, scalar_t* __restrict__ dv,
-                              int tile) {
+                              const float* __restrict__ delta, scalar_t* __restrict__ dk, Layout dks,
+                              scalar_t* __restrict__ dv, Layout dvs, int tile) {
   TF_SHARED_MEMORY(smem);
   const int D = static_cast<int>(p.D), Dv = static_cast<int>(p.Dv), ldq = D + 1, ldo = Dv + 1;
   float* k_rows = smem;                      // kBlockRows x D: the block's keys
@@ -426,8 +426,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kRows; ++r) {
     const int64_t j = key0 + r;
     if (j >= p.Nk) break;
-    scalar_t* gk = dk + (bhk * p.Nk + j) * D;
-    scalar_t* gv = dv + (bhk * p.Nk + j) * Dv;
+    scalar_t* gk = dk + b * dks.sb + hk * dks.sh + j * dks.sn;
+    scalar_t* gv = dv + b * dvs.sb + hk * dvs.sh + j * dvs.sn;
 #pragma unroll
     for (int t = 0; t < kDims; ++t) {
       const int d = lane + 32 * t;
@@ -478,7 +478,7 @@ void dispatch(const char* what, const Problem& p, at::ScalarType dtype, Fn&& fn)
   }
 }
 
-// out (B, H, Nq, Dv) and lse (B, H, Nq): contiguous.
+// out (B, H, Nq, Dv) with a unit last-dim stride; lse (B, H, Nq) contiguous.
 template <typename Launch>
 void run_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                  at::Tensor& lse, int tile, Launch&& launch) {
@@ -487,11 +487,11 @@ void run_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, con
     using scalar_t = decltype(tag);
     launch(attention_fwd_kernel<scalar_t, decltype(dims)::value>, blocks, fwd_shared_bytes(p, tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
-           layout_of(v), out.data_ptr<scalar_t>(), lse.data_ptr<float>(), tile);
+           layout_of(v), out.data_ptr<scalar_t>(), layout_of(out), lse.data_ptr<float>(), tile);
   });
 }
 
-// delta (B, H, Nq) fp32 scratch; dq, dk, dv contiguous; dmask undefined (no dS wanted) or
+// delta (B, H, Nq) fp32 scratch; dq, dk, dv with unit last-dim strides; dmask undefined (no dS wanted) or
 // (B, H, Nq, Nk) contiguous and zero-filled (the dQ kernel writes dS where it visits: all but the
 // key tiles past the causal diagonal).
 template <typename Launch>
@@ -511,11 +511,11 @@ void run_backward(const Problem& p, const at::Tensor& dout, const at::Tensor& q,
     launch(attention_bwd_dq_kernel<scalar_t, kDims>, dq_blocks, dq_shared_bytes(p, dq_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),
-           dq.data_ptr<scalar_t>(), dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr, dq_tile);
+           dq.data_ptr<scalar_t>(), layout_of(dq), dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr, dq_tile);
     launch(attention_bwd_dkdv_kernel<scalar_t, kDims>, dkdv_blocks, dkdv_shared_bytes(p, dkdv_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),
-           dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), dkdv_tile);
+           dk.data_ptr<scalar_t>(), layout_of(dk), dv.data_ptr<scalar_t>(), layout_of(dv), dkdv_tile);
   });
 }
 

@@ -255,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   CpuProblem cp = cpu_problem("attention_forward", q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale,
                               dropout_p, seed, x);
   const Problem& p = cp.p;
-  at::Tensor out = new_output(cp.out_sizes(p.Dv), cp.q.options());
+  at::Tensor out = new_output_in_rows_of(q_in, p.Dv, cp.q.options());
   at::Tensor lse = new_output(cp.lse_sizes(), cp.q.options().dtype(at::kFloat));
   cp.fill_rows_outside_sequences(out, lse);
   if (p.B * p.H == 0 || p.Nq == 0) return {out, lse};

@@ -29,6 +29,13 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options);
 }
 
+at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options) {
+  std::vector<int64_t> sizes = like.sizes().vec();
+  sizes.back() = width;
+  if (like.dim() != 4 || like.stride(1) >= like.stride(2)) return new_output(sizes, options);
+  return new_output({sizes[0], sizes[2], sizes[1], width}, options).transpose(1, 2);
+}
+
 }  // namespace transformer_fast
 
 namespace {

@@ -30,6 +30,30 @@ def new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def new_output_in_rows_of(like, width, dtype=None):
+    """new_output for an attention result in ``like``'s row order (transformer_fast/_layout.py), and
+    its (batch, head, row) strides counted in rows of ``width`` elements, as the kernels take them."""
+    dtype = like.dtype if dtype is None else dtype
+    if like.dim() == 4 and like.stride(1) < like.stride(2):  # heads inside rows (transformer_fast/_layout.py)
+        B, H, N = like.shape[:3]
+        out = new_output((B, N, H, width), dtype, like.device).transpose(1, 2)
+    else:
+        out = new_output((*like.shape[:-1], width), dtype, like.device)
+    return out, row_strides(out)
+
+
+def row_strides(t):
+    """The (batch, head, row) strides of a (B, H, N, W) tensor in rows of W elements, or None where
+    they are not whole rows (a last-dim stride other than 1, or a stride not a multiple of W)."""
+    width = t.shape[-1]
+    if width > 1 and t.stride(-1) != 1:
+        return None
+    if width <= 1:
+        return tuple(t.stride()[:3])
+    strides = t.stride()[:3]
+    return None if any(s % width for s in strides) else tuple(s // width for s in strides)
+
+
 def autotune(configs, key, early_config_prune):
     """triton.autotune over `configs` (only the first under the interpreter, which cannot
     benchmark: a multi-config autotune raises "0 active drivers"), keyed on the kernel arguments

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ._utils import LAUNCH_OPTIONS, cdiv, new_output
+from ._utils import LAUNCH_OPTIONS, cdiv, new_output, new_output_in_rows_of, row_strides
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
@@ -170,9 +170,9 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         num_pages, page_size = 0, 1
         q_strides, k_strides, v_strides = q.stride()[:3], k.stride()[:3], v.stride()[:3]
         rows, keys = n_q, n_k
-        out = new_output((B, H, n_q, Dv), q.dtype, q.device)
+        out, out_strides = new_output_in_rows_of(q, Dv)  # out's strides in rows of Dv elements
         lse = new_output((B, H, n_q), torch.float32, q.device)
-        out_strides, lse_strides = (H * n_q, n_q, 1), (H * n_q, n_q)
+        lse_strides = (H * n_q, n_q)
         n_lse, drop_stride = B * H * n_q, n_k
     window = _window(window, rows, keys, packed)
     group = H // Hk
@@ -208,9 +208,9 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     if splits > 1:
         block_r, warps = combine_launch_shape(meta["BLOCK_DV"])
         attention_combine_kernel[(cdiv(n_lse, block_r),)](
-            out_part, lse_part, out, lse, q if sinks is None else sinks, n_lse, splits, H, n_q,
-            HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, PACKED=packed, HAS_SINKS=sinks is not None,
-            num_warps=warps, **LAUNCH_OPTIONS)
+            out_part, lse_part, out, lse, q if sinks is None else sinks, n_lse, splits, H, n_q, *out_strides,
+            HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=warps,
+            **LAUNCH_OPTIONS)
     return out, lse
 
 
@@ -253,27 +253,27 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     Dv = v.shape[-1]
     if Dv > 1 and dout.stride(-1) != 1:
         dout = dout.contiguous()
-    out, lse = out.contiguous(), lse.contiguous()
+    lse = lse.contiguous()
     a = backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                              window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k)
     packed, B, H, Hk, n_q, n_k = a["packed"], a["B"], a["H"], a["Hk"], a["n_q"], a["n_k"]
     _check_batch(B + (1 if packed else 0))
     meta = a["meta"]
     q_s, k_s, v_s, do_s, lse_s = a["strides"]
-    D = q.shape[-1]
-    # the strides of out and the gradients (contiguous) count rows of their head dims
+    # the strides of out and the gradients count rows of their head dims
     if packed:
+        out = out.contiguous()
         delta = torch.empty((H, n_q), dtype=torch.float32, device=q.device)
         out_strides = (0, 1, H)
         dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
         dq_s, dk_s, dv_s = (0, 1, H), (0, 1, Hk), (0, 1, Hk)
     else:
+        out_strides = row_strides(out)  # out as the forward laid it out, or a copy that is whole rows
+        if out_strides is None:
+            out = out.contiguous()
+            out_strides = row_strides(out)
         delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
-        out_strides = (H * n_q, n_q, 1)
-        dq = new_output((B, H, n_q, D), q.dtype, q.device)
-        dk = new_output((B, Hk, n_k, D), k.dtype, k.device)
-        dv = new_output((B, Hk, n_k, Dv), v.dtype, v.device)
-        dq_s, dk_s, dv_s = (H * n_q, n_q, 1), (Hk * n_k, n_k, 1), (Hk * n_k, n_k, 1)
+        (dq, dq_s), (dk, dk_s), (dv, dv_s) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
     attention_bwd_preprocess_kernel[(cdiv(n_q, pre_block), H, 1 if packed else B)](
         out, dout, delta, *out_strides, *do_s, *lse_s, n_q, HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block,

@@ -31,13 +31,13 @@ INTERPRETER_SMS = 4
 
 
 @triton.jit
-def attention_combine_kernel(OutPart, LsePart, Out, Lse, Sinks, n_lse, num_splits, H, rows_per_head,
-                             HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                             PACKED: tl.constexpr, HAS_SINKS: tl.constexpr):
+def attention_combine_kernel(OutPart, LsePart, Out, Lse, Sinks, n_lse, num_splits, H, rows_per_head, stride_ob,
+                             stride_oh, stride_om, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                             BLOCK_R: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Merges the num_splits partial results (OutPart (splits, n_lse, HEAD_DV) fp32, LsePart
-    (splits, n_lse) base 2) of lse entries r: dense (B, H, Nq) order, rows_per_head = Nq, out r's
-    row of the contiguous (B, H, Nq, Dv) output; packed (H, Tq) order, rows_per_head = Tq, out row
-    (r % Tq) * H + h of the (Tq, H, Dv) output."""
+    (splits, n_lse) base 2) of lse entries r, in (B, H, rows_per_head) order: dense rows_per_head
+    = Nq; packed (H, Tq) order, rows_per_head = Tq and B = 1. Out's strides count rows of HEAD_DV
+    (packed (Tq, H, Dv): 0, 1, H)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = r < n_lse
     cols = tl.arange(0, BLOCK_DV)
@@ -57,10 +57,7 @@ def attention_combine_kernel(OutPart, LsePart, Out, Lse, Sinks, n_lse, num_split
         l_i = l_i * alpha + w
         m_i = m_new
     h = (r // rows_per_head) % H
-    if PACKED:
-        out_offs = ((r % rows_per_head) * H + h) * HEAD_DV
-    else:
-        out_offs = r * HEAD_DV
+    out_offs = ((r // (rows_per_head * H)) * stride_ob + h * stride_oh + (r % rows_per_head) * stride_om) * HEAD_DV
     sink = 0.0
     if HAS_SINKS:
         sink = tl.load(Sinks + h, mask=row_ok, other=0.0)

@@ -62,10 +62,10 @@ def _divisibility(fn, head_d, head_dv):
 
 # Feature letters of the case names: c causal, b/f bool/float mask, p padding, r dropout, s dS out,
 # L/R window left/right, t softcap, a ALiBi, k sinks, P packed, G paged, u seqused_k, S split,
-# g GQA heads packed in a program's rows.
+# g GQA heads packed in a program's rows, h outputs laid out (B, N, H, D).
 _LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("L", "window_left"),
             ("R", "window_right"), ("t", "softcap"), ("a", "alibi"), ("k", "sinks"), ("u", "seqused"),
-            ("S", "split"), ("g", "pack_gqa"))
+            ("S", "split"), ("g", "pack_gqa"), ("h", "heads_inside_rows"))
 
 
 def attention_cases():
@@ -99,9 +99,11 @@ def attention_cases():
                           HAS_ALIBI=bool(flags.get("alibi")), HAS_SINKS=bool(flags.get("sinks")), LAYOUT=layout,
                           HAS_SEQUSED=bool(flags.get("seqused")), SPLIT=bool(flags.get("split")),
                           PACK_GQA=bool(flags.get("pack_gqa")), BLOCK_M=block_m, BLOCK_N=block_n)
-        # the launchers' own outputs have unit row strides (in rows of the head dim) where dense, unit
-        # head strides where packed; Triton specializes an int argument equal to 1 as a constant
-        unit = ("stride_om", "stride_dqm", "stride_dkn", "stride_dvn") if layout == 0 else \
+        # the launchers' own outputs have unit row strides (in rows of the head dim) where dense and
+        # contiguous, unit head strides where packed or laid out (B, N, H, D) (transformer_fast/_layout.py);
+        # Triton specializes an int argument equal to 1 as a constant
+        rows_unit = layout == 0 and not flags.get("heads_inside_rows")
+        unit = ("stride_om", "stride_dqm", "stride_dkn", "stride_dvn") if rows_unit else \
             ("stride_oh", "stride_dqh", "stride_dkh", "stride_dvh")
         constexprs.update({name: 1 for name in unit})
         fn = jit_function(kernel)
@@ -133,6 +135,8 @@ def attention_cases():
         for cls, (d, dv) in heads.items():
             add(kernel, name, torch.float32, d, dv, fp32[cls][0], causal=True, mask_kind=1, pad=True)
         add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], causal=True, dropout=True, expect_wgmma=forward)
+        add(kernel, name, torch.bfloat16, 64, 64, lowp[64][0], causal=True, pad=True, heads_inside_rows=True,
+            expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
         add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)
     # dS out (a float mask that requires grad): causal + padding + float mask + dropout, as in T5
@@ -155,7 +159,9 @@ def attention_cases():
                                      (torch.float32, 256, True, False), (torch.float16, 23, False, True)):
         block_dv = tiles.block_dims(dv, dv)[1]
         block_r, warps = decode.combine_launch_shape(block_dv)
-        constexprs = dict(HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r, PACKED=packed, HAS_SINKS=sinks)
+        # packed (Tq, H, Dv) and a (B, N, H, Dv) layout have head stride 1 (a constexpr at launch)
+        constexprs = dict(HEAD_DV=dv, BLOCK_DV=block_dv, BLOCK_R=block_r, HAS_SINKS=sinks,
+                          **({"stride_oh": 1} if packed else {}))
         pointers = {"OutPart": "*fp32", "LsePart": "*fp32", "Out": "*" + _TYPE[dtype], "Lse": "*fp32",
                     "Sinks": "*fp32"}
         features = ("k" if sinks else "") + ("P" if packed else "")

@@ -161,6 +161,13 @@ at::Tensor poisoned(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
 }
 
+// Poisoned, and laid out as the entry points lay out results (new_output_in_rows_of): in the row
+// order of `like`, so that the kernels' strided writes are tested.
+at::Tensor poisoned_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options) {
+  if (like.stride(1) >= like.stride(2)) return poisoned({like.size(0), like.size(1), like.size(2), width}, options);
+  return poisoned({like.size(0), like.size(2), like.size(1), width}, options).transpose(1, 2);
+}
+
 // As transformer_fast's attention_forward, through the CUDA kernels with a key tile of `tile`.
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const std::optional<at::Tensor>& attn_mask,
@@ -170,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   const at::Tensor pad = padding_mask_contiguous(key_padding_mask);
   const transformer_fast::Problem p =
       transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
-  at::Tensor out = poisoned({p.B, p.H, p.Nq, p.Dv}, q.options());
+  at::Tensor out = poisoned_in_rows_of(q_in, p.Dv, q.options());
   at::Tensor lse = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   ck::run_forward(p, q, k, v, out, lse, static_cast<int>(tile), EmulatedLaunch{});
   return {out, lse};
@@ -189,8 +196,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const transformer_fast::Problem p =
       transformer_fast::make_problem(q, k, v, attn_mask, pad, is_causal, scale, dropout_p, seed);
   at::Tensor delta = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
-  at::Tensor dq = poisoned(q.sizes(), q.options()), dk = poisoned(k.sizes(), k.options());
-  at::Tensor dv = poisoned(v.sizes(), v.options());
+  at::Tensor dq = poisoned_in_rows_of(q_in, p.D, q.options()), dk = poisoned_in_rows_of(k_in, p.D, k.options());
+  at::Tensor dv = poisoned_in_rows_of(v_in, p.Dv, v.options());
   at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
   ck::run_backward(p, dout, q, k, v, out, lse.contiguous(), delta, dq, dk, dv, dmask, static_cast<int>(dq_tile),
                    static_cast<int>(dkdv_tile), EmulatedLaunch{});

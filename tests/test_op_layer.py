@@ -10,8 +10,14 @@ import sys
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import transformer_fast as tf
-from transformer_fast import _backends, _build_config, _explicit
+from transformer_fast import _backends, _build_config, _device_kernels, _explicit
+
+from attention_cases import make_qkv
+from helpers import BACKENDS, kernel_device, result_strides
+from helpers import skip_unavailable_backend  # noqa: F401 (a fixture)
 
 ops = torch.ops.transformer_fast
 
@@ -41,8 +47,16 @@ def _op_cases():
     out_x, lse_x = ops.attention_forward(qs, ks, vs, None, pad, False, 0.3, 0.0, 0, *extras, sinks.detach())
     cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 2, 6, 10], dtype=torch.int32)
     pq, pk, pv = torch.randn(8, 4, 8, requires_grad=True), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    # q, k, v as most models make them: a (B, N, H * D) projection viewed as heads and transposed
+    # (the results are laid out the same way: transformer_fast/_layout.py)
+    tq, tk, tv = (torch.randn(2, 5, h, 8).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    t_out, t_lse = ops.attention_forward(tq.detach(), tk.detach(), tv.detach(), None, pad, False, 0.3, 0.0, 0)
     return {
         "attention_forward": (ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0)),
+        "attention_forward heads inside rows": (ops.attention_forward, (tq, tk, tv, None, pad, False, 0.3, 0.0, 0)),
+        "attention_backward heads inside rows": (ops.attention_backward,
+                                                 (t_out.detach().clone(), tq.detach(), tk.detach(), tv.detach(), t_out,
+                                                  t_lse, None, pad, False, 0.3, 0.0, 0, False)),
         "attention_forward extras": (ops.attention_forward, (q, k, v, None, pad, False, 0.3, 0.0, 0, *extras, sinks)),
         "attention_forward packed": (ops.attention_forward, (pq, pk, pv, None, None, False, 0.3, 0.0, 0, [-1, 0], 0.0,
                                                              torch.rand(3, 4), None, cu_q, cu_k, None, None, 5, 4)),
@@ -241,3 +255,36 @@ def test_without_the_extension_the_import_says_why(tmp_path):
                             cwd=tmp_path)
     assert "ImportError: transformer_fast needs its C++ extension" in result.stdout, result.stdout + result.stderr
     assert "JIT build failed" in result.stdout
+
+
+@pytest.mark.usefixtures("skip_unavailable_backend")
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "qkv"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_results_are_laid_out_as_torch_lays_out_attention_results(backend, layout):
+    """Each backend's output is laid out in q's row order and each gradient in its input's, as
+    torch's own attention does (checked against torch's strides where torch's CPU attention runs
+    the case), so a model's transpose back to (B, N, H * D) costs no copy. Packed results are
+    contiguous. The dense forward also runs with num_splits=3 (Triton: 3 parts over the 40 keys, and
+    the merge kernel writes out; C++ writes split and unsplit rows through the same strides)."""
+    device = kernel_device() if backend == "triton" else "cpu"
+    q, k, v = make_qkv(2, 4, 40, 40, 16, dtype=torch.float32, layout=layout, device=device)
+    forward = _device_kernels.op_kernel("attention_forward", backend, device)
+    backward = _device_kernels.op_kernel("attention_backward", backend, device)
+    for splits in (0, 3):
+        out, lse = forward(q, k, v, None, None, False, 0.25, 0.0, 0, num_splits=splits)
+        assert out.stride() == result_strides(q, 16), (splits, out.stride())
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.25), atol=1e-5, rtol=1e-5)
+    if device == "cpu":
+        assert out.stride() == F.scaled_dot_product_attention(q, k, v).stride()
+    if layout != "bhnd":  # the model's view back to (B, N, H * D) shares out's memory
+        assert out.transpose(1, 2).reshape(2, 40, 64).data_ptr() == out.data_ptr()
+    dq, dk, dv, _ = backward(torch.randn_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False)
+    for grad, t in ((dq, q), (dk, k), (dv, v)):
+        assert grad.stride() == result_strides(t, 16), (grad.stride(), t.stride())
+
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    pq, pk, pv = (t[0].transpose(0, 1) for t in (q, k, v))  # (40, 4, 16) token-major views
+    out, lse = forward(pq, pk, pv, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
+    dq, dk, dv, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, 0, False,
+                             cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
+    assert all(t.is_contiguous() for t in (out, dq, dk, dv))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _backends, _build
+from ._layout import empty_in_rows_of
 
 _INF = float("inf")
 
@@ -28,7 +29,7 @@ def _attention_forward(kernel):
             if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
                 lse = q.new_full((B, H, Nq), _INF, dtype=_stats_dtype(q)) if sinks is None else \
                     sinks.to(_stats_dtype(q))[None, :, None].expand(B, H, Nq).contiguous()
-                return q.new_zeros(B, H, Nq, v.shape[-1]), lse
+                return empty_in_rows_of(q, v.shape[-1]).zero_(), lse
         elif q.shape[0] == 0:
             return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=_stats_dtype(q))
         return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, tuple(window), softcap,
@@ -43,7 +44,7 @@ def _attention_backward(kernel):
         rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
         if rows == 0 or keys == 0:
             dmask = q.new_zeros(*q.shape[:3], k.shape[2]) if compute_dmask else _empty(q)
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+            return (*(empty_in_rows_of(t, t.shape[-1]).zero_() for t in (q, k, v)), dmask)
         dq, dk, dv, dmask = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                    dropout_p, seed, compute_dmask, tuple(window), softcap, alibi_slopes, cu_seq_q,
                                    cu_seq_k, max_q, max_k)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._layout import in_rows_of
+
 
 def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
@@ -136,14 +138,14 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                                        slopes, sinks)
             out[rows_q] = ob[0].transpose(0, 1)
             lse[:, rows_q] = lb[0]
-        return out, lse
+        return in_rows_of(q, out), lse
     scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
                                  alibi_slopes)
     probs, lse = softmax_with_sinks(scores, sinks)
     if dropout_p > 0:
         probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
     v = v.to(c).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return (probs @ v).to(q.dtype), lse.to(c)
+    return in_rows_of(q, (probs @ v).to(q.dtype)), lse.to(c)
 
 
 def _sum_groups(t, heads):
@@ -156,7 +158,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0):
     if cu_seq_q is not None:
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))
         for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,
                                                                alibi_slopes):
             dob = dout[rows_q].transpose(0, 1)[None]
@@ -166,7 +168,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
             dq[rows_q] = g[0][0].transpose(0, 1)
             dk[rows_k] = g[1][0].transpose(0, 1)
             dv[rows_k] = g[2][0].transpose(0, 1)
-        return dq, dk, dv, None
+        return in_rows_of(q, dq), in_rows_of(k, dk), in_rows_of(v, dv), None
     c = _compute_dtype(q)
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
@@ -186,7 +188,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
     dq = dscores @ k_full * scale
     dk = _sum_groups(dscores.transpose(-2, -1) @ qc * scale, Hk)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
+    return in_rows_of(q, dq.to(q.dtype)), in_rows_of(k, dk.to(k.dtype)), in_rows_of(v, dv.to(v.dtype)), dmask
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):

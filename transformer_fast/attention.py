@@ -13,7 +13,9 @@ The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`
                        cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0) -> (dq, dk, dv, dmask)
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
-(B, H, Nq, Dv) contiguous in q's dtype; lse (B, H, Nq) float32 (float64 for float64 inputs, as the
+(B, H, Nq, Dv) in q's dtype, laid out in q's row order as torch's attention lays out its output
+(``_layout.py``: (B, Nq, H, Dv) memory where q keeps a row's heads together, else contiguous; dq,
+dk, dv likewise follow q, k, v); lse (B, H, Nq) float32 (float64 for float64 inputs, as the
 ALiBi slopes and sinks then are; only the plain-torch backend takes float64). Packed (cu_seq_q given): q
 (Tq, H, D), k (Tk, Hk, D), v (Tk, Hk, Dv); cu_seq_q and cu_seq_k (B + 1,) int32, nondecreasing from
 0: sequence b is query rows cu_seq_q[b]:cu_seq_q[b + 1] and key rows cu_seq_k[b]:cu_seq_k[b + 1];
@@ -60,6 +62,7 @@ import torch
 from . import _backends, _build, _explicit
 from ._backends import KERNEL_DTYPES
 from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+from ._layout import empty_in_rows_of
 
 _C, _ = _build.load()
 
@@ -76,15 +79,15 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
         Tq, H, _ = q.shape
         return q.new_empty(Tq, H, v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
     B, H, Nq, _ = q.shape
-    return q.new_empty(B, H, Nq, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
+    return empty_in_rows_of(q, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
 
 
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
       window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
-    # The kernels return contiguous gradients (whatever the inputs' strides).
     dmask = q.new_empty(*q.shape[:3], k.shape[2]) if compute_dmask else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
+    return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
+            dmask)
 
 
 # --------------------------------------------------------------------------------------------
