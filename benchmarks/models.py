@@ -244,7 +244,7 @@ def encdec_cases(p, dtype, device, g):
     steps = {id(models[0]): group.function("torch"), id(models[1]): group.function("ours_softmax")}
     yield {"model": "encdec", "case": "train step", "size": group.describe() + " (nn.Transformer vs ours)",
            "batch": batch, "length": length, "tokens": 2 * batch * length, "models": models,
-           "check": lambda: group.check("ours_softmax")[:3], "make": lambda model: steps[id(model)],
+           "check": lambda: group.check("ours_softmax")[:3], "make": lambda model: steps[id(model)], "twin": False,
            "check_note": "logits vs the same model on the reference backend (the sweep's check)"}
 
 
@@ -268,6 +268,7 @@ def _time_shares(model, fn):
 
     def leave(module, args, output):
         module._models_scope.__exit__(None, None, None)
+        del module._models_scope  # the model stays copyable (the suite deep-copies it for its control)
 
     handles = []
     fn()  # warm
@@ -372,6 +373,10 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
     ref, ours = case["models"]
     row["converted"] = getattr(ours, "converted", None)
     fns = {"sdpa": case["make"](ref), "ours": case["make"](ours)}
+    if case.get("twin", True):
+        # The control: a deep copy of the sdpa model, timed in the same rounds. Its ratio to the
+        # sdpa model is what the same code gets from where a model's tensors happen to lie in memory.
+        fns["sdpa twin"] = case["make"](copy.deepcopy(ref))
     first = {k: measure.time_once(fn, device) for k, fn in fns.items()}  # warm-up, and the sample size
     if precision == "float32":
         fp32_seconds[key] = first["sdpa"]
@@ -380,6 +385,9 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
                                      min_sample_s=args.min_sample_ms / 1e3, keep_samples=True)
     ratio = measure.paired_ratio(times, "sdpa", "ours")
     ratio_low, ratio_high = measure.paired_ratio_interval(times, "sdpa", "ours")
+    if "sdpa twin" in times:
+        row.update(twin_ratio=measure.paired_ratio(times, "sdpa", "sdpa twin"),
+                   twin_interval=measure.paired_ratio_interval(times, "sdpa", "sdpa twin"))
     shares = {"attention": None, "norms": None}
     pieces_ms = {"sdpa": None, "ours": None}
     if device.type == "cpu":  # the profiler's CPU view would not see the CUDA kernels' time
@@ -400,7 +408,9 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
                below_target_at_95=ratio_high < target)
     pieces = (f", {pieces_ms['sdpa']:.1f} ms sdpa / {pieces_ms['ours']:.1f} ms ours"
               if pieces_ms["sdpa"] is not None else "")
-    print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f} [{ratio_low:.2f}, {ratio_high:.2f}]  "
+    twin = f"  twin {row['twin_ratio']:.2f}" if "twin_ratio" in row else ""
+    print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f} [{ratio_low:.2f}, "
+          f"{ratio_high:.2f}]{twin}  "
           f"attention+norms {_pct(share)} of the sdpa model{pieces}", flush=True)
     return row
 
@@ -414,6 +424,13 @@ def _ratio(row):
     if row.get("ratio_low") is None:
         return f"{row['ratio']:.2f}"
     return f"{row['ratio']:.2f} [{row['ratio_low']:.2f}, {row['ratio_high']:.2f}]"
+
+
+def _twin(row):
+    if row.get("twin_ratio") is None:
+        return "-"
+    low, high = row["twin_interval"]
+    return f"{row['twin_ratio']:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def _verdict(row):
@@ -437,13 +454,15 @@ def markdown(result):
         lines.append(f"- {family}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
     lines += ["", "Ratio: the sdpa model's time over ours (> 1: ours is faster), median over interleaved rounds, with "
               "its 95% confidence interval (order statistics of the per-round ratios). A missed target is "
-              "'slower' where the whole interval lies below it, else 'within noise'. "
+              "'slower' where the whole interval lies below it, else 'within noise'. Twin: the control, a deep "
+              "copy of the sdpa model timed in the same rounds (sdpa over twin): how far the same code moves "
+              "with where its tensors lie in memory. "
               "Share: the fraction of one profiled call of the sdpa model spent in attention / in normalisation. "
               "Pieces: the time attention + norms took in one profiled call of each model (forward and backward; "
               "the part the swap changes). Target: >= 1.0, and >= 1.15 where attention + norms take >= 40%.", "",
-              "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio [95% interval] | rounds | attention / norms "
+              "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio [95% interval] | twin [95% interval] | rounds | attention / norms "
               "share | pieces ms, sdpa / ours | target | check error / bound |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|"]
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]
     notes = []
     for r in body["rows"]:
         if r["status"] == "skipped" and "case" not in r:
@@ -453,10 +472,10 @@ def markdown(result):
         check = f"{r['max_error']:.1e} / {r['error_bound']:.1e}" if r.get("max_error") is not None else "-"
         if r["status"] == "ok":
             lines.append(f"{head} {r['sdpa_ms']:.1f} | {r['ours_ms']:.1f} | {r['tokens_per_s_ours']:.0f} | "
-                         f"{_ratio(r)} | {r['rounds']} | {_pct(r['share_attention'])} / {_pct(r['share_norms'])} | "
+                         f"{_ratio(r)} | {_twin(r)} | {r['rounds']} | {_pct(r['share_attention'])} / {_pct(r['share_norms'])} | "
                          f"{_pieces(r)} | >= {r['target_ratio']:.2f}: {_verdict(r)} | {check} |")
         else:
-            lines.append(f"{head} | | | {r['status'].upper()} | | | | {r.get('note', '')} | {check} |")
+            lines.append(f"{head} | | | {r['status'].upper()} | | | | | {r.get('note', '')} | {check} |")
         if "same_greedy_tokens" in r:
             notes.append(f"- llama {r['case']}, B={r['batch']}, {r['precision']}: "
                          f"{100 * r['same_greedy_tokens']:.0f}% of the greedy tokens equal the sdpa model's")

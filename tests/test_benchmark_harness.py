@@ -357,6 +357,9 @@ def test_models_suite_checks_and_times_each_model(harness):
         assert r["sdpa_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 and r["tokens_per_s_ours"] > 0
         assert r["ratio_low"] <= r["ratio"] <= r["ratio_high"], r
         assert r["below_target_at_95"] == (r["ratio_high"] < r["target_ratio"])
+        if r["model"] != "encdec":  # the control: the sdpa model against its deep copy
+            low, high = r["twin_interval"]
+            assert low <= r["twin_ratio"] <= high and r["twin_ratio"] > 0, r
         assert 0 < r["share_attention"] < 1 and 0 < r["share_norms"] < 1, r
         assert r["target_ratio"] == (1.15 if r["share_attention"] + r["share_norms"] >= 0.4 else 1.0)
     assert encdec["status"] == "ok"
