@@ -34,7 +34,10 @@ def new_output_in_rows_of(like, width, dtype=None):
     """new_output for an attention result in ``like``'s row order (transformer_fast/_layout.py), and
     its (batch, head, row) strides counted in rows of ``width`` elements, as the kernels take them."""
     dtype = like.dtype if dtype is None else dtype
-    if like.dim() == 4 and like.stride(1) < like.stride(2):  # heads inside rows (transformer_fast/_layout.py)
+    # transformer_fast/_layout.py's rule, restated: this package imports nothing from transformer_fast
+    # at import time, as it must also import as a top-level `kernels` (transformers probes for a package
+    # of that name, and finds this one wherever the checkout is on sys.path)
+    if like.dim() == 4 and like.stride(1) < like.stride(2):
         B, H, N = like.shape[:3]
         out = new_output((B, N, H, width), dtype, like.device).transpose(1, 2)
     else:
