@@ -99,7 +99,11 @@ def time_interleaved(fns, device, *, first_call_s=None, max_repeats=25, min_repe
 def paired_ratio(times, base, impl):
     """Median over rounds of base time / impl time (> 1: impl is faster), from `time_interleaved(...,
     keep_samples=True)`. Both ran in every round, so a slow phase of the machine cancels out."""
-    return statistics.median(b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"]))
+    return statistics.median(_round_ratios(times, base, impl))
+
+
+def _round_ratios(times, base, impl):
+    return [b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"])]
 
 
 def paired_ratio_interval(times, base, impl, confidence=0.95):
@@ -108,7 +112,7 @@ def paired_ratio_interval(times, base, impl, confidence=0.95):
     Binomial(n, 1/2), so the order statistics r_(j) <= median <= r_(n+1-j) hold with probability
     1 - 2 P(X < j); j is the largest rank that keeps that at least `confidence`. With fewer than 6
     rounds no interval reaches 95%: it is then the whole range of the ratios."""
-    ratios = sorted(b / i for b, i in zip(times[base]["samples_ms"], times[impl]["samples_ms"]))
+    ratios = sorted(_round_ratios(times, base, impl))
     n = len(ratios)
     below, j = 0.0, 0  # P(X < j + 1) accumulates; j + 1 stays a valid rank while the tails fit
     while j < n // 2:

@@ -48,13 +48,10 @@ def new_output_in_rows_of(like, width, dtype=None):
 def row_strides(t):
     """The (batch, head, row) strides of a (B, H, N, W) tensor in rows of W elements, or None where
     they are not whole rows (a last-dim stride other than 1, or a stride not a multiple of W)."""
-    width = t.shape[-1]
-    if width > 1 and t.stride(-1) != 1:
+    width, strides = max(t.shape[-1], 1), t.stride()[:3]
+    if (width > 1 and t.stride(-1) != 1) or any(s % width for s in strides):
         return None
-    if width <= 1:
-        return tuple(t.stride()[:3])
-    strides = t.stride()[:3]
-    return None if any(s % width for s in strides) else tuple(s // width for s in strides)
+    return tuple(s // width for s in strides)
 
 
 def autotune(configs, key, early_config_prune):

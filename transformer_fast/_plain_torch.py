@@ -138,7 +138,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                                        slopes, sinks)
             out[rows_q] = ob[0].transpose(0, 1)
             lse[:, rows_q] = lb[0]
-        return in_rows_of(q, out), lse
+        return out, lse
     scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
                                  alibi_slopes)
     probs, lse = softmax_with_sinks(scores, sinks)
@@ -158,7 +158,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0):
     if cu_seq_q is not None:
-        dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))
+        dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are
         for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,
                                                                alibi_slopes):
             dob = dout[rows_q].transpose(0, 1)[None]
@@ -168,7 +168,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
             dq[rows_q] = g[0][0].transpose(0, 1)
             dk[rows_k] = g[1][0].transpose(0, 1)
             dv[rows_k] = g[2][0].transpose(0, 1)
-        return in_rows_of(q, dq), in_rows_of(k, dk), in_rows_of(v, dv), None
+        return dq, dk, dv, None
     c = _compute_dtype(q)
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
