@@ -251,15 +251,18 @@ def encdec_cases(p, dtype, device, g):
 # --------------------------------------------------------------------------------------------
 # Where the time goes
 # --------------------------------------------------------------------------------------------
-def time_shares(model, fn, calls=1):
-    """{attention, norms}: the fraction of a call of `fn` (profiled) spent in attention and in
-    normalisation modules, forward and backward; the median over `calls` profiled calls (on a shared
-    machine one call may be preempted inside one operation)."""
-    shares = [_time_shares(model, fn) for _ in range(calls)]
-    return {k: statistics.median(s[k] for s in shares) for k in shares[0]}
+def time_shares(model, fn):
+    """{attention, norms}: the fraction of one profiled call of `fn` (after a warm-up call) spent in
+    attention and in normalisation modules, forward and backward."""
+    fn()
+    ms = profiled_pieces(model, fn)
+    return {k: ms[k] / ms["total"] for k in ("attention", "norms")}
 
 
-def _time_shares(model, fn):
+def profiled_pieces(model, fn):
+    """{attention, norms, total}: milliseconds of one profiled call of `fn`. Attention by operator,
+    a norm module by its forward scope, and for both the backward of what they ran (autograd nodes
+    matched by sequence number)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def enter(module, args):
@@ -271,7 +274,6 @@ def _time_shares(model, fn):
         del module._models_scope  # the model stays copyable (the suite deep-copies it for its control)
 
     handles = []
-    fn()  # warm
     for m in model.modules():
         if type(m).__name__.endswith(("LayerNorm", "RMSNorm")):
             handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
@@ -306,22 +308,57 @@ def _time_shares(model, fn):
             forward[kind] += e.cpu_time_total
     backward = {k: sum(e.cpu_time_total for e in events if e.name.startswith("autograd::engine::evaluate_function")
                        and e.sequence_nr in seqs) for k, seqs in kinds.items()}
-    return {k: (forward[k] + backward[k]) / total if total else None for k in forward} | {"total_ms": total / 1e3}
+    return {k: (forward[k] + backward[k]) / 1e3 for k in forward} | {"total": total / 1e3}
+
+
+def interleaved_pieces(models_fns, rounds):
+    """{name: {attention, norms, attention_norms, total, share_attention, share_norms}}: medians
+    (milliseconds, fractions of the call) over `rounds` rounds, each profiling one call of every
+    (model, fn) in turn, so that a busy spell of the shared machine falls on all of them alike."""
+    samples = {k: [] for k in models_fns}
+    for _ in range(rounds):
+        for k, (model, fn) in models_fns.items():
+            samples[k].append(profiled_pieces(model, fn))
+    out = {}
+    for k, runs in samples.items():
+        out[k] = {p: statistics.median(r[p] for r in runs) for p in ("attention", "norms", "total")}
+        out[k]["attention_norms"] = statistics.median(r["attention"] + r["norms"] for r in runs)
+        for p in ("attention", "norms"):
+            out[k]["share_" + p] = statistics.median(r[p] / r["total"] for r in runs)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
 # The suite
 # --------------------------------------------------------------------------------------------
-def _matmul_rates(device):
-    """Measured matrix-product GFLOP/s per dtype (a bf16 model on a CPU without bf16 instructions is
-    much slower than in float32: this says by how much)."""
+def _linear_rates(device):
+    """GFLOP/s per dtype of an nn.Linear-shaped product (512 x 768 by 768 x 768), forward alone
+    and forward + backward. A CPU without bfloat16 instructions runs bfloat16 products much more
+    slowly than float32, and unevenly by layout: on the 2-core AVX2 VM the forward's layout about
+    6x, the backward's grad-input product (grad_out @ weight) about 60x, so a training step about
+    25x. The skip predictor scales a case's float32 time by the slowdown of its kind."""
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(256, 256, device=device, dtype=dtype)
-        t = measure.time_interleaved({"mm": lambda: a @ a}, device, max_repeats=5, min_repeats=3, budget_s=0.3,
-                                     min_sample_s=0.02)["mm"]["median_ms"] / 1e3
-        rates[str(dtype).replace("torch.", "")] = 2 * 256**3 / t / 1e9
+        x = torch.randn(512, 768, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(768, 768, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(512, 768, device=device, dtype=dtype)
+
+        def forward():
+            with torch.no_grad():
+                torch.nn.functional.linear(x, w)
+
+        def train():
+            torch.nn.functional.linear(x, w).backward(grad)
+
+        times = measure.time_interleaved({"forward": forward, "train": train}, device, max_repeats=5, min_repeats=3,
+                                         budget_s=0.5, min_sample_s=0.02)
+        flops = {"forward": 2 * 512 * 768 * 768, "train": 3 * 2 * 512 * 768 * 768}
+        rates[str(dtype).replace("torch.", "")] = {k: flops[k] / (times[k]["median_ms"] / 1e3) / 1e9 for k in flops}
     return rates
+
+
+def _kind(case):
+    return "train" if "train" in case["case"] else "forward"
 
 
 def run(args):
@@ -332,9 +369,10 @@ def run(args):
         dtypes = [args.dtype]
     else:
         dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
-    rates = _matmul_rates(device)
-    slowdown = {d: rates["float32"] / rates[d] for d in rates}
-    print(f"  sizes: {preset}; matmul GFLOP/s: " + ", ".join(f"{d} {r:.1f}" for d, r in rates.items()), flush=True)
+    rates = _linear_rates(device)
+    slowdown = {d: {k: rates["float32"][k] / r[k] for k in r} for d, r in rates.items()}
+    print(f"  sizes: {preset}; linear-layer GFLOP/s (forward, forward + backward): "
+          + ", ".join(f"{d} {r['forward']:.1f}, {r['train']:.1f}" for d, r in rates.items()), flush=True)
     rows, fp32_seconds = [], {}
     families = (("bert", bert_cases), ("llama", llama_cases), ("encdec", encdec_cases))
     for name in dtypes:
@@ -344,11 +382,12 @@ def run(args):
             g = torch.Generator().manual_seed(args.seed)
             try:
                 for case in make_cases(sizes[family], dtype, device, g):
-                    rows.append(_run_case(case, precision, args, device, fp32_seconds, slowdown.get(name, 1.0)))
+                    factor = slowdown[name][_kind(case)] if name in slowdown else 1.0
+                    rows.append(_run_case(case, precision, args, device, fp32_seconds, factor))
             except Skip as exc:
                 rows.append({"model": family, "precision": precision, "status": "skipped", "note": str(exc)})
                 print(f"  {family}: skipped: {exc}", flush=True)
-    return {"preset": preset, "sizes": sizes, "dtypes": dtypes, "matmul_gflops": rates, "rows": rows,
+    return {"preset": preset, "sizes": sizes, "dtypes": dtypes, "linear_gflops": rates, "rows": rows,
             "targets": {"never_slower": 1.0, "attention_norm_share": 0.4, "ratio_where_share": 1.15}}
 
 
@@ -361,8 +400,8 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
     if predicted > (args.max_call_seconds or 30.0):
         print(f"{label} skipped: ~{predicted:.0f} s per call predicted", flush=True)
         return {**row, "status": "skipped", "max_error": None, "error_bound": None,
-                "note": f"~{predicted:.0f} s per call predicted (float32 time x the measured matmul slowdown "
-                        f"{slowdown:.0f}x) > --max-call-seconds"}
+                "note": f"~{predicted:.0f} s per call predicted (float32 time x the measured linear-layer "
+                        f"slowdown {slowdown:.0f}x) > --max-call-seconds"}
     ok, err, bound = case["check"]()
     row.update(max_error=err, error_bound=bound)
     if "same_greedy_tokens" in case:
@@ -391,13 +430,12 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
     shares = {"attention": None, "norms": None}
     pieces_ms = {"sdpa": None, "ours": None}
     if device.type == "cpu":  # the profiler's CPU view would not see the CUDA kernels' time
-        calls = 3 if first["sdpa"] < 1.0 else 1
-        shares = time_shares(ref, fns["sdpa"], calls)
-        # The attention + norms time of each model in a profiled call: what the swap changes, free of
-        # the rest of the model's time, which moves with the machine's load as much as the ratio.
-        ours_shares = time_shares(ours, fns["ours"], calls)
-        pieces_ms = {k: (sh["attention"] + sh["norms"]) * sh["total_ms"] for k, sh in
-                     (("sdpa", shares), ("ours", ours_shares))}
+        # The attention + norms time of each model: what the swap changes, free of the rest of the
+        # model's time, which moves with the machine's load as much as the ratio.
+        pieces = interleaved_pieces({"sdpa": (ref, fns["sdpa"]), "ours": (ours, fns["ours"])},
+                                    rounds=5 if first["sdpa"] < 1.0 else 3)
+        shares = {k: pieces["sdpa"]["share_" + k] for k in shares}
+        pieces_ms = {k: pieces[k]["attention_norms"] for k in pieces_ms}
     share = (shares["attention"] + shares["norms"]) if shares["attention"] is not None else None
     target = 1.15 if share is not None and share >= 0.4 else 1.0
     row.update(status="ok", sdpa_ms=times["sdpa"]["median_ms"], ours_ms=times["ours"]["median_ms"], ratio=ratio,
@@ -448,8 +486,9 @@ def markdown(result):
 
     lines = header_block(result)
     body = result["result"]
-    lines += [f"Threads: {result.get('threads')}. Sizes: `{body['preset']}` preset; measured matrix-product rate: "
-              + ", ".join(f"{d} {r:.1f} GFLOP/s" for d, r in body["matmul_gflops"].items()) + ".", ""]
+    lines += [f"Threads: {result.get('threads')}. Sizes: `{body['preset']}` preset; measured linear-layer rate "
+              "(forward, forward + backward): " + ", ".join(f"{d} {r['forward']:.1f}, {r['train']:.1f} GFLOP/s"
+                                                          for d, r in body["linear_gflops"].items()) + ".", ""]
     for family, p in body["sizes"].items():
         lines.append(f"- {family}: " + ", ".join(f"{k} {v}" for k, v in p.items()))
     lines += ["", "Ratio: the sdpa model's time over ours (> 1: ours is faster), median over interleaved rounds, with "
@@ -457,9 +496,9 @@ def markdown(result):
               "'slower' where the whole interval lies below it, else 'within noise'. Twin: the control, a deep "
               "copy of the sdpa model timed in the same rounds (sdpa over twin): how far the same code moves "
               "with where its tensors lie in memory. "
-              "Share: the fraction of one profiled call of the sdpa model spent in attention / in normalisation. "
-              "Pieces: the time attention + norms took in one profiled call of each model (forward and backward; "
-              "the part the swap changes). Target: >= 1.0, and >= 1.15 where attention + norms take >= 40%.", "",
+              "Share: the fraction of the sdpa model's call spent in attention / in normalisation. Pieces: the "
+              "time attention + norms took in each model's call (forward and backward; the part the swap "
+              "changes). Both are medians over 5 profiled calls of each model in turn (3 for calls over a second). Target: >= 1.0, and >= 1.15 where attention + norms take >= 40%.", "",
               "| model | case | B | N | precision | sdpa ms | ours ms | ours tokens/s | ratio [95% interval] | twin [95% interval] | rounds | attention / norms "
               "share | pieces ms, sdpa / ours | target | check error / bound |",
               "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|"]

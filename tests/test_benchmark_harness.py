@@ -335,6 +335,9 @@ def test_models_suite_checks_and_times_each_model(harness):
     result = json.loads((out / "smoke-models.json").read_text())
     body = result["result"]
     assert result["suite"] == "models" and body["preset"] == "smoke" and body["dtypes"] == ["float32"]
+    # the rates the bfloat16 skip predictor scales float32 times by, per kind of case
+    assert set(body["linear_gflops"]) == {"float32", "bfloat16"}
+    assert all(r["forward"] > 0 and r["train"] > 0 for r in body["linear_gflops"].values())
     rows = {(r["model"], r.get("case"), r.get("batch")): r for r in body["rows"]}
     encdec = rows[("encdec", "train step", 1)]
     try:
