@@ -245,8 +245,9 @@ void check_rows(const at::Tensor& t, const char* name, int64_t M, int64_t N, at:
   TORCH_CHECK(t.device().is_cpu(), "layer_norm: ", name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, "layer_norm: ", name, " must have dtype ", dtype, ", got ",
               t.scalar_type());
-  TORCH_CHECK(N <= 1 || t.stride(1) == 1, "layer_norm: ", name, " must have unit stride along the row, got strides ",
-              t.strides());
+  // Without rows nothing is read (an empty tensor counts as contiguous whatever its strides).
+  TORCH_CHECK(M == 0 || N <= 1 || t.stride(1) == 1, "layer_norm: ", name,
+              " must have unit stride along the row, got strides ", t.strides());
 }
 
 // The (rows, width) matrix of a (..., width) tensor: a view where the leading dims flatten, else a copy.

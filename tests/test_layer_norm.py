@@ -265,15 +265,25 @@ def test_cpp_weight_gradient_is_deterministic():
         assert torch.equal(g[0], grads[0][0]) and torch.equal(g[1], grads[0][1])
 
 
-def test_zero_rows():
-    for backend in ("cpp", "reference"):
-        if tf.available_backends()[backend] is not None:
-            continue
-        x = torch.randn(0, 3, 16, requires_grad=True)
-        y, h = tf.layer_norm(x, 16, residual=torch.randn(0, 3, 16), backend=backend)
-        assert y.shape == h.shape == x.shape
-        y.sum().backward()
-        assert x.grad.shape == x.shape
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
+def test_zero_rows(backend):
+    """No rows: empty results of the input's shape and gradients of it, whatever the strides (an
+    empty slice with a stride of 2 along the row used to fail the kernels' unit-stride check)."""
+    _skip_unavailable(backend)
+    inputs = {"contiguous": lambda: torch.randn(0, 3, 16),
+              "stride 2 along the row": lambda: torch.randn(0, 3, 32)[..., ::2],
+              "rows, stride 2 along the row": lambda: torch.randn(0, 32)[:, ::2],
+              "permuted": lambda: torch.randn(16, 3, 0).permute(2, 1, 0)}
+    for (name, make), is_rms in itertools.product(inputs.items(), (False, True)):
+        norm = tf.rms_norm if is_rms else tf.layer_norm
+        x, r = make().requires_grad_(), make().requires_grad_()
+        w = torch.rand(16, requires_grad=True)
+        y = norm(x, (16,), w, backend=backend)
+        y2, h = norm(x, (16,), w, residual=r, backend=backend)
+        assert y.shape == y2.shape == h.shape == x.shape, name
+        (y.sum() + y2.sum() + h.sum()).backward()
+        assert x.grad.shape == x.shape and r.grad.shape == r.shape, name
+        assert torch.equal(w.grad, torch.zeros(16)), name  # no rows: nothing to sum
 
 
 @pytest.mark.parametrize("fn", [tf.layer_norm, tf.rms_norm], ids=["layer_norm", "rms_norm"])
