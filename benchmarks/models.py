@@ -251,14 +251,6 @@ def encdec_cases(p, dtype, device, g):
 # --------------------------------------------------------------------------------------------
 # Where the time goes
 # --------------------------------------------------------------------------------------------
-def time_shares(model, fn):
-    """{attention, norms}: the fraction of one profiled call of `fn` (after a warm-up call) spent in
-    attention and in normalisation modules, forward and backward."""
-    fn()
-    ms = profiled_pieces(model, fn)
-    return {k: ms[k] / ms["total"] for k in ("attention", "norms")}
-
-
 def profiled_pieces(model, fn):
     """{attention, norms, total}: milliseconds of one profiled call of `fn`. Attention by operator,
     a norm module by its forward scope, and for both the backward of what they ran (autograd nodes
@@ -312,20 +304,18 @@ def profiled_pieces(model, fn):
 
 
 def interleaved_pieces(models_fns, rounds):
-    """{name: {attention, norms, attention_norms, total, share_attention, share_norms}}: medians
-    (milliseconds, fractions of the call) over `rounds` rounds, each profiling one call of every
-    (model, fn) in turn, so that a busy spell of the shared machine falls on all of them alike."""
+    """{name: {attention_norms, share_attention, share_norms}}: medians over `rounds` rounds, each
+    profiling one call of every (model, fn) in turn, so that a busy spell of the shared machine
+    falls on all of them alike: the milliseconds in attention + norms, and each one's fraction of
+    the call."""
     samples = {k: [] for k in models_fns}
     for _ in range(rounds):
         for k, (model, fn) in models_fns.items():
             samples[k].append(profiled_pieces(model, fn))
-    out = {}
-    for k, runs in samples.items():
-        out[k] = {p: statistics.median(r[p] for r in runs) for p in ("attention", "norms", "total")}
-        out[k]["attention_norms"] = statistics.median(r["attention"] + r["norms"] for r in runs)
-        for p in ("attention", "norms"):
-            out[k]["share_" + p] = statistics.median(r[p] / r["total"] for r in runs)
-    return out
+    return {k: {"attention_norms": statistics.median(r["attention"] + r["norms"] for r in runs),
+                "share_attention": statistics.median(r["attention"] / r["total"] for r in runs),
+                "share_norms": statistics.median(r["norms"] / r["total"] for r in runs)}
+            for k, runs in samples.items()}
 
 
 # --------------------------------------------------------------------------------------------

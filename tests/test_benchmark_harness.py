@@ -382,7 +382,7 @@ def test_paired_ratio_interval_is_the_binomial_order_statistics():
         assert low <= measure.paired_ratio(times, "base", "impl") <= high
 
 
-def test_time_shares_attribute_forward_and_backward():
+def test_profiled_pieces_attribute_forward_and_backward():
     """Attention by operator, a norm module by its forward scope and the backward of what it ran
     (matched by autograd sequence number). Sleeps make the expected shares hold on a busy machine:
     the norm's backward sleeps 50 ms, the model 20 ms outside both."""
@@ -423,7 +423,12 @@ def test_time_shares_attribute_forward_and_backward():
     def train():
         model(x).sum().backward()
 
-    fwd, both = models.time_shares(model, forward_only), models.time_shares(model, train)
+    def shares(fn):
+        fn()  # warm
+        ms = models.profiled_pieces(model, fn)
+        return {k: ms[k] / ms["total"] for k in ("attention", "norms")}
+
+    fwd, both = shares(forward_only), shares(train)
     assert 0 < fwd["attention"] < 0.9 and 0 <= fwd["norms"] < 0.2, fwd
     assert 0 < both["attention"] < 0.7 and 0.25 < both["norms"] < 0.9, both  # the backward's sleep is the norm's
     assert both["attention"] + both["norms"] < 0.9  # the 20 ms outside is neither
