@@ -27,7 +27,7 @@ EARLIER_FORMATS = {
 OTHER_RECORDS = {
     "compile-check-2026-11-23.txt": "Triton kernels compiled for sm_80 and sm_90 without a GPU: registers and spills "
                                     "of every config (`python -m transformer_fast.kernels.compile_check`)",
-    "compile-check-cuda-2026-11-23.txt": "the C++ backend's CUDA kernels compiled with nvcc for sm_80 and sm_90: "
+    "compile-check-cuda-2026-11-26.txt": "the C++ backend's CUDA kernels compiled with nvcc for sm_80 and sm_90: "
                                          "registers and spills (`compile_check --cuda`)",
     "compile-check-linear-state-2026-11-25.txt": "the linear-attention Triton kernels, with and without a carried "
                                                  "state, compiled for sm_80 and sm_90: registers and spills "
@@ -36,6 +36,9 @@ OTHER_RECORDS = {
                                               "packed/paged layouts and the decoding split, compiled for sm_80 and "
                                               "sm_90: registers and spills of every config (`compile_check --only "
                                               "attention`)",
+    "compile-check-float32-mask-2026-11-26.txt": "the Triton attention kernels with a float32 attn_mask and a bf16 "
+                                                 "query (mask read and dS written in float32), compiled for sm_80 "
+                                                 "and sm_90: registers and spills",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"
                                                          "tiles_gpu.py): the source of the bf16/fp16 backward tables",

@@ -64,9 +64,11 @@ struct Problem {
   int64_t B, H, Hk, Nq, Nk, D, Dv;
   bool causal;
   float scale;
-  // attn_mask: (B, H, Nq, Nk) view, element strides; nullptr when absent.
+  // attn_mask: (B, H, Nq, Nk) view, element strides; nullptr when absent. A float mask has the
+  // query's dtype or float32 (which torch's SDPA also accepts with a half-precision query).
   const void* mask = nullptr;
   bool mask_is_bool = false;
+  bool mask_is_float32 = false;
   int64_t msb = 0, msh = 0, msm = 0, msn = 0;
   // key padding: (B, Nk), 1 = padded; nullptr when absent.
   const bool* pad = nullptr;
@@ -154,11 +156,13 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(m.dim() == 4 && m.size(0) == p.B && m.size(1) == p.H && m.size(2) == p.Nq && m.size(3) == p.Nk,
                 "attn_mask must be a (B, H, Nq, Nk) = (", p.B, ", ", p.H, ", ", p.Nq, ", ", p.Nk,
                 ") view, got shape ", m.sizes());
-    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type(),
-                "attn_mask must be bool or have the query's dtype ", q.scalar_type(), ", got ", m.scalar_type());
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == q.scalar_type() || m.scalar_type() == at::kFloat,
+                "attn_mask must be bool, float32 or have the query's dtype ", q.scalar_type(), ", got ",
+                m.scalar_type());
     TORCH_CHECK(m.device() == q.device(), "attn_mask must be on the query's device ", q.device(), ", got ", m.device());
     p.mask = m.data_ptr();
     p.mask_is_bool = m.scalar_type() == at::kBool;
+    p.mask_is_float32 = m.scalar_type() == at::kFloat;
     p.msb = m.stride(0);
     p.msh = m.stride(1);
     p.msm = m.stride(2);
@@ -173,6 +177,13 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
   }
   p.dropout = make_dropout(dropout_p, seed);
   return p;
+}
+
+// dS, the float attn_mask's gradient, zero-filled (the kernels write it only where they visit),
+// in the mask's dtype: the query's, or float32 (a float32 mask keeps a float32 gradient).
+inline at::Tensor new_dmask(const Problem& p, const at::Tensor& q) {
+  const auto dtype = p.mask_is_float32 ? at::kFloat : q.scalar_type();
+  return at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options().dtype(dtype));
 }
 
 // Allocate kernel outputs (bindings.cpp; see ops.h).
@@ -255,9 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_en
   at::Tensor dq = new_output_in_rows_of(q_in, p.D, q.options());
   at::Tensor dk = new_output_in_rows_of(k_in, p.D, k.options());
   at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, v.options());
-  // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
-  // above the causal diagonal are skipped).
-  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
+  // The kernels skip key blocks that are all padded or above the causal diagonal.
+  at::Tensor dmask = compute_dmask ? new_dmask(p, q) : at::Tensor();
   if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
     dq.zero_();
     dk.zero_();

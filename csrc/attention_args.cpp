@@ -123,9 +123,12 @@ AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, con
 
   if (attn_mask.has_value()) {
     const at::Tensor mask = autocast_arg(cast, *attn_mask, device);
-    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool || mask.scalar_type() == a.q.scalar_type(),
-                     "attn_mask must be bool (True = attend) or have the query's dtype ",
-                     dtype_name(a.q.scalar_type()), ", got ", dtype_name(mask.scalar_type()));
+    // Float masks in float32 are accepted with any query dtype, as torch's SDPA does; the kernels
+    // add them in float32.
+    const auto mask_dtype = mask.scalar_type();
+    TORCH_CHECK_TYPE(mask_dtype == at::kBool || mask_dtype == a.q.scalar_type() || mask_dtype == at::kFloat,
+                     "attn_mask must be bool (True = attend), float32 or have the query's dtype ",
+                     dtype_name(a.q.scalar_type()), ", got ", dtype_name(mask_dtype));
     check_same_device("attn_mask", mask, "query", a.q);
     const std::vector<c10::SymInt> shape{B, H, Nq, Nk};
     bool broadcasts = mask.dim() <= 4;

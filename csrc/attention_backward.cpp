@@ -103,7 +103,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   at::Tensor dq_acc = at::zeros({n_slices, lse_rows, D}, q.options().dtype(at::kFloat));
   float* dq_acc_data = dq_acc.data_ptr<float>();
   // dS out, (B, H, Nq, Nk) contiguous and zero-filled: the tiles skipped below have dS = 0.
-  scalar_t* ds_data = dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr;
+  // In q's dtype, or float32 with a float32 mask (new_dmask): one of the two pointers is set.
+  scalar_t* ds_data = dmask.defined() && !p.mask_is_float32 ? dmask.data_ptr<scalar_t>() : nullptr;
+  float* ds_f32 = dmask.defined() && p.mask_is_float32 ? dmask.data_ptr<float>() : nullptr;
 
   // Packed products. bf16/fp16 (AMX): all five B operands packed once (K^T, V^T, K per key
   // block; Q, dO per query block); P^T and dS^T are written transposed. They take no alpha: the
@@ -228,6 +230,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 ds_from_dp(s, dp, bn, delta_from_p ? delta_from_tile(s, dp, bn) : delta_t[r]);  // dP -> dS
               }
               if (ds_data != nullptr) convert_row(dp, ds_data + (row0 + r) * p.Nk + j0, bn);
+              if (ds_f32 != nullptr) convert_row(dp, ds_f32 + (row0 + r) * p.Nk + j0, bn);
               if (softcap) softcap_gradient_row(dp, tanh_tile.data() + r * BN, bn);  // dS of the raw scores
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
@@ -349,9 +352,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor dq = new_output_in_rows_of(q_in, p.D, cp.q.options());
   at::Tensor dk = new_output_in_rows_of(k_in, p.D, cp.k.options());
   at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, cp.v.options());
-  // Zero-filled: the kernels write dS only where they visit (key blocks that are all padded or
-  // outside every row's band are skipped).
-  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, cp.q.options()) : at::Tensor();
+  // The kernels skip key blocks that are all padded or outside every row's band.
+  at::Tensor dmask = compute_dmask ? new_dmask(p, cp.q) : at::Tensor();
   if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
     dq.zero_();
     dk.zero_();

@@ -77,6 +77,8 @@ __device__ inline float masked_score(const Problem& p, float dot, int64_t b, int
     const int64_t off = b * p.msb + h * p.msh + i * p.msm + j * p.msn;
     if (p.mask_is_bool) {
       allowed = static_cast<const bool*>(p.mask)[off];
+    } else if (p.mask_is_float32) {
+      s += static_cast<const float*>(p.mask)[off];
     } else {
       s += static_cast<float>(static_cast<const scalar_t*>(p.mask)[off]);
     }
@@ -273,7 +275,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_bwd_dq_kernel(const Problem p, const scalar_t* __restrict__ q, Layout qs, const scalar_t* __restrict__ k,
                             Layout ks, const scalar_t* __restrict__ v, Layout vs, const scalar_t* __restrict__ dout,
                             Layout dos, const float* __restrict__ lse, const float* __restrict__ delta,
-                            scalar_t* __restrict__ dq, Layout dqs, scalar_t* __restrict__ ds_out, int tile) {
+                            scalar_t* __restrict__ dq, Layout dqs, void* __restrict__ ds_out, int tile) {
   TF_SHARED_MEMORY(smem);
   const int D = static_cast<int>(p.D), Dv = static_cast<int>(p.Dv), ldk = D + 1, ldv = Dv + 1;
   float* k_tile = smem;                    // tile x ldk
@@ -329,7 +331,13 @@ __global__ void __launch_bounds__(kThreads)
       ds[r] = prob * (dp[r] * f - row_delta[r]);
       // dS out (the lanes write consecutive keys); disallowed pairs 0 whatever dP holds there
       if (ds_out != nullptr && key_in_tile && i < p.Nq) {
-        ds_out[(bh * p.Nq + i) * p.Nk + j] = static_cast<scalar_t>(s != -INFINITY ? ds[r] : 0.f);
+        const int64_t at = (bh * p.Nq + i) * p.Nk + j;
+        const float value = s != -INFINITY ? ds[r] : 0.f;
+        if (p.mask_is_float32) {  // dS in the mask's dtype (new_dmask)
+          static_cast<float*>(ds_out)[at] = value;
+        } else {
+          static_cast<scalar_t*>(ds_out)[at] = static_cast<scalar_t>(value);
+        }
       }
     }
     accumulate_tile(acc, ds, live, k_tile, ldk, D, tile, lane);
@@ -511,7 +519,7 @@ void run_backward(const Problem& p, const at::Tensor& dout, const at::Tensor& q,
     launch(attention_bwd_dq_kernel<scalar_t, kDims>, dq_blocks, dq_shared_bytes(p, dq_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),
-           dq.data_ptr<scalar_t>(), layout_of(dq), dmask.defined() ? dmask.data_ptr<scalar_t>() : nullptr, dq_tile);
+           dq.data_ptr<scalar_t>(), layout_of(dq), dmask.defined() ? dmask.data_ptr() : nullptr, dq_tile);
     launch(attention_bwd_dkdv_kernel<scalar_t, kDims>, dkdv_blocks, dkdv_shared_bytes(p, dkdv_tile), p,
            q.data_ptr<scalar_t>(), layout_of(q), k.data_ptr<scalar_t>(), layout_of(k), v.data_ptr<scalar_t>(),
            layout_of(v), dout.data_ptr<scalar_t>(), layout_of(dout), lse_data, static_cast<const float*>(delta_data),

@@ -171,6 +171,8 @@ bool transform_scores(const Problem& p, const Band& band, float* S, int64_t ldS,
         float* s = S + r * ldS;
         for (int64_t c = 0; c < bn; ++c) s[c] = m[c * p.msn] ? s[c] : kNegInf;
       }
+    } else if (p.mask_is_float32) {
+      add_float_mask(p, S, ldS, bm, bn, static_cast<const float*>(p.mask) + off, at.i0, at.j0);
     } else {
       add_float_mask(p, S, ldS, bm, bn, static_cast<const scalar_t*>(p.mask) + off, at.i0, at.j0);
     }

@@ -68,6 +68,11 @@ def _mask_args(attn_mask, q):
     return attn_mask, attn_mask.stride()
 
 
+def _dmask_dtype(attn_mask, q):
+    """dS is written in the float mask's dtype: the query's, or float32."""
+    return torch.float32 if attn_mask is not None and attn_mask.dtype == torch.float32 else q.dtype
+
+
 def _padding_args(key_padding_mask, q):
     """(padding bytes, 2 strides); q stands in for an absent mask (never read). The kernels find
     each sequence's unpadded key range themselves."""
@@ -280,7 +285,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         **LAUNCH_OPTIONS)
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
-    dmask = torch.zeros((B, H, n_q, n_k), dtype=q.dtype, device=q.device) if compute_dmask else None
+    dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
     mask, pad, alibi, cu_q, cu_k = a["masks"]
     batch = B + (1 if packed else 0)
     attention_bwd_dkdv_kernel[lambda META: (max(1, cdiv(a["keys"], META["BLOCK_N"])), Hk, batch)](

@@ -250,7 +250,8 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stri
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     if STORE_DS:  # 0 where P = 0: padded keys' V loads as 0, so dP is finite there
-        tl.store(ds_base + n64 + (mi * n_k + nj[None, :]), ds.to(k.dtype), mask=(qi < n_q) & (offs_n[None, :] < n_k))
+        tl.store(ds_base + n64 + (mi * n_k + nj[None, :]), ds.to(ds_base.dtype.element_ty),
+                 mask=(qi < n_q) & (offs_n[None, :] < n_k))
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)

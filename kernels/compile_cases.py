@@ -60,7 +60,8 @@ def _divisibility(fn, head_d, head_dv):
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
-# Feature letters of the case names: c causal, b/f bool/float mask, p padding, r dropout, s dS out,
+# Feature letters of the case names: c causal, b/f bool/float mask (F: a float32 one with a
+# half-precision query), p padding, r dropout, s dS out,
 # L/R window left/right, t softcap, a ALiBi, k sinks, P packed, G paged, u seqused_k, S split,
 # g GQA heads packed in a program's rows, h outputs laid out (B, N, H, D).
 _LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("L", "window_left"),
@@ -81,7 +82,7 @@ def attention_cases():
     def add(kernel, name, dtype, head_d, head_dv, tile, *, mask_kind=0, layout=0, expect_wgmma=False, **flags):
         block_m, block_n, warps, stages = tile
         t = "*" + _TYPE[dtype]
-        mask_type = {0: t, 1: "*u8", 2: t}[mask_kind]
+        mask_type = {0: t, 1: "*u8", 2: "*fp32" if flags.get("mask_fp32") else t}[mask_kind]
         pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
         pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if flags.get("pad") else t,
                         Alibi="*fp32" if flags.get("alibi") else t, Sinks="*fp32" if flags.get("sinks") else t,
@@ -89,6 +90,8 @@ def attention_cases():
                         SeqUsed="*i32" if flags.get("seqused") or layout == 2 else t,
                         BlockTable="*i32" if layout == 2 else t, OutPart="*fp32" if flags.get("split") else t,
                         LsePart="*fp32" if flags.get("split") else "*fp32")
+        if flags.get("mask_fp32"):
+            pointers["DS"] = "*fp32"  # dS is written in the mask's dtype
         block_d, block_dv = tiles.block_dims(head_d, head_dv)
         constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           IS_CAUSAL=bool(flags.get("causal")), MASK_KIND=mask_kind, HAS_PAD=bool(flags.get("pad")),
@@ -109,7 +112,8 @@ def attention_cases():
         fn = jit_function(kernel)
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
         letters = "".join(letter for letter, flag in _LETTERS if flags.get(flag))
-        features = (("c" if flags.get("causal") else "") + ("b" if mask_kind == 1 else "f" if mask_kind == 2 else "")
+        float_mask = "F" if flags.get("mask_fp32") else "f"
+        features = (("c" if flags.get("causal") else "") + {0: "", 1: "b", 2: float_mask}[mask_kind]
                     + letters + ("", "P", "G")[layout])
         tile_name = f"m{block_m}n{block_n}w{warps}s{stages}"
         cases.append(dict(
@@ -139,6 +143,8 @@ def attention_cases():
             expect_wgmma=forward)
         add(kernel, name, torch.bfloat16, 80, 40, lowp[128][0], mask_kind=2, expect_wgmma=forward)
         add(kernel, name, torch.float16, 40, 23, lowp[64][0], mask_kind=2, pad=True, expect_wgmma=forward)
+        add(kernel, name, torch.bfloat16, 64, 64, lowp[64][0], mask_kind=2, mask_fp32=True,
+            store_ds=kernel is attention.attention_bwd_dq_kernel, expect_wgmma=forward)
     # dS out (a float mask that requires grad): causal + padding + float mask + dropout, as in T5
     # training, for each dtype class
     for dtype, cls in ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)):

@@ -6,7 +6,7 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from helpers import assert_close_to_reference, compare_with_reference
+from helpers import assert_close_to_reference, compare_with_reference, max_error
 
 
 def make_qkv(B, H, Nq, Nk, D, Dv=None, *, Hk=None, dtype=torch.float32, layout="bhnd", device="cpu"):
@@ -83,6 +83,37 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
     return compare_with_reference(kernel, ref, inputs, grad_inputs=tuple(range(len(inputs))) if grads else (),
                                   what=f"attention[{backend}]", atol=atol, factor=factor,
                                   gradient_formulation=flash)
+
+
+def check_float32_mask(attention, dtype, what):
+    """A float32 attn_mask with a half-precision query, as torch's SDPA accepts it: added in float32,
+    its gradient float32. `attention(q, k, v, attn_mask=..., enable_gqa=True)`. The mask's values sit
+    near 2000, where the spacing of bf16 is 16 and of fp16 1: rounded to the query's dtype they would
+    change every softmax by O(1) (the check asserts that, so it can fail). Output and the four
+    gradients against the float64 reference, within 2x the error of torch's own SDPA on the same
+    inputs (which keeps the mask in float32)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(3)
+    B, H, Hk, Nq, Nk, D = 2, 4, 2, 17, 40, 24
+    qkv = make_qkv(B, H, Nq, Nk, D, Hk=Hk, dtype=dtype)
+    mask = 2000 + 3 * torch.rand(H, Nq, Nk)
+    mask[:, :, 5] = float("-inf")
+    dout = torch.randn(B, H, Nq, D, dtype=torch.float64)
+
+    def run(fn, dtype, mask):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in qkv] + [mask.detach().clone().requires_grad_()]
+        out = fn(*inputs[:3], attn_mask=inputs[3], enable_gqa=True)
+        return [out, *torch.autograd.grad(out, inputs, dout.to(out.dtype))]
+
+    expected = run(F.scaled_dot_product_attention, torch.float64, mask.double())
+    torch_lowp = run(F.scaled_dot_product_attention, dtype, mask)
+    ours = run(attention, dtype, mask)
+    assert ours[4].dtype == torch.float32 and ours[4].shape == mask.shape
+    for name, a, b, c in zip(("output", "dq", "dk", "dv", "dmask"), ours, expected, torch_lowp):
+        assert_close_to_reference(a, b, c, what=f"{what} float32 mask: {name}")
+    rounded = run(attention, dtype, mask.to(dtype))[0]
+    assert max_error(rounded, expected[0]) > 10 * max_error(ours[0], expected[0])
 
 
 def _given(kwargs, **more):

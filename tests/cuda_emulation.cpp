@@ -198,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor delta = poisoned({p.B, p.H, p.Nq}, q.options().dtype(at::kFloat));
   at::Tensor dq = poisoned_in_rows_of(q_in, p.D, q.options()), dk = poisoned_in_rows_of(k_in, p.D, k.options());
   at::Tensor dv = poisoned_in_rows_of(v_in, p.Dv, v.options());
-  at::Tensor dmask = compute_dmask ? at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options()) : at::Tensor();
+  at::Tensor dmask = compute_dmask ? transformer_fast::new_dmask(p, q) : at::Tensor();
   ck::run_backward(p, dout, q, k, v, out, lse.contiguous(), delta, dq, dk, dv, dmask, static_cast<int>(dq_tile),
                    static_cast<int>(dkdv_tile), EmulatedLaunch{});
   return {dq, dk, dv, dmask};

@@ -12,7 +12,8 @@ import transformer_fast as tf
 from transformer_fast import _backends, _build, reference
 from transformer_fast import attention as attention_module
 
-from attention_cases import (kernel_attention_backward, kernel_attention_forward, check_attention, check_value_gradient, inside_nan, make_qkv, random_attn_mask,
+from attention_cases import (check_attention, check_float32_mask, check_value_gradient, inside_nan,
+                             kernel_attention_backward, kernel_attention_forward, make_qkv, random_attn_mask,
                              random_key_padding)
 from helpers import compare_with_reference
 
@@ -214,6 +215,12 @@ def test_mask_gradient(emulation):
         return reference.scaled_dot_product_attention(q, k, v, mask, True, key_padding_mask=pad)
 
     compare_with_reference(kernel, ref, (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what="emulated CUDA mask grad")
+
+
+def test_float32_mask_with_half_precision_query(emulation):
+    """A float32 attn_mask with an fp16 query: the CUDA kernels add it in float32 and the dQ kernel
+    writes its gradient dS in float32."""
+    check_float32_mask(emulated_attention(emulation, (16, 8, 16)), torch.float16, "emulated CUDA")
 
 
 def test_mask_gradient_with_dropout_matches_the_cpu_kernel(emulation):

@@ -4,6 +4,8 @@ and autograd sums over the mask's broadcast dims. Checked against the float64 re
 backends (Triton under the interpreter, with tiny shapes); with dropout, against the reference given
 the kernels' own keep mask; end to end on a tiny T5. The CUDA kernels' dS is checked in
 test_attention_cuda_emulated.py."""
+import functools
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ import transformer_fast as tf
 from transformer_fast import attention as attention_module
 from transformer_fast import reference
 
-from attention_cases import (kernel_attention_backward, kernel_attention_forward, make_qkv, random_attn_mask,
-                             random_key_padding)
+from attention_cases import (check_float32_mask, kernel_attention_backward, kernel_attention_forward, make_qkv,
+                             random_attn_mask, random_key_padding)
 from helpers import compare_with_reference
 
 # (backend, dtype, C++ product path: see test_attention.py's PACK_MIN_ROWS)
@@ -192,6 +194,15 @@ def test_mask_gradient_with_dropout(backend, dtype):
 
     compare_with_reference(kernel, ref, (q, k, v, mask), grad_inputs=(0, 1, 2, 3),
                            what=f"attention[{backend}] mask + dropout")
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.bfloat16), ("cpp", torch.bfloat16),
+                                           ("cpp", torch.float16), ("triton", torch.float16)])
+def test_float32_mask_with_half_precision_query(backend, dtype):
+    """torch's SDPA takes a float32 attn_mask with a bf16/fp16 query; so does every backend: the
+    mask is added in float32 and its gradient (dS) written in float32."""
+    _need(backend)
+    check_float32_mask(functools.partial(tf.scaled_dot_product_attention, backend=backend), dtype, backend)
 
 
 def test_opcheck_backward_with_dmask():

@@ -152,6 +152,11 @@ def test_sdpa_rejects_bad_masks_and_args():
         tf.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="attn_mask must be bool"):
         tf.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.int32))
+    # a float mask in the query's dtype or float32 (as torch's SDPA): float16 with bf16 refused
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    for dtype in (torch.float16, torch.float64):
+        with pytest.raises(TypeError, match=f"query's dtype torch.bfloat16, got {dtype}"):
+            tf.scaled_dot_product_attention(qb, kb, vb, attn_mask=torch.zeros(5, 5, dtype=dtype))
     with pytest.raises(ValueError, match="dropout_p"):
         tf.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match="enable_gqa"):

@@ -413,6 +413,22 @@ def test_a_missing_causal_mask_with_fewer_queries_is_bottom_right(kernel_calls):
     assert kernel_calls[0]["window_size"] == (-1, 0) and not kernel_calls[0]["is_causal"]
 
 
+def test_a_float32_mask_with_a_bfloat16_query_stays_float32(kernel_calls):
+    """transformers' sdpa passes a float32 mask on to a bf16 attention unchanged (torch adds it in
+    float32); so does the integration. Values near 2000 (bf16's spacing there is 16) show it: the
+    mask rounded to bf16 would move every softmax by O(1)."""
+    module = torch.nn.Module()
+    module.is_causal = False
+    q, k, v = (torch.randn(2, 4, 6, 8).bfloat16() for _ in range(3))
+    mask = 2000 + 3 * torch.rand(2, 1, 6, 6)
+    out, _ = tf_hf.attention_forward(module, q, k, v, mask)
+    assert kernel_calls[0]["attn_mask"].dtype == torch.float32
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                                attn_mask=mask.double()).transpose(1, 2)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    assert (out.double() - expected).abs().max() <= 2 * (torch_bf16.double() - expected).abs().max() + 2e-3
+
+
 def test_flex_only_families_get_no_mask_left_out():
     """PEGASUS-X (served through its flex-attention support) declares is_causal=False on its
     decoder's self-attention: its causal masks are never left out."""

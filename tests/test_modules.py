@@ -2,9 +2,11 @@
 both layouts, train (dropout 0) and eval; state-dict round trips; bad inputs; linear attention
 against the reference on the projected heads.
 
-fp32 throughout (the compiled kernels' dtype): torch and transformer_fast each compute these
+fp32 (the compiled kernels' dtype) but for one bf16 case: torch and transformer_fast each compute these
 small problems to ~1e-6, so atol=1e-5, rtol=1e-4 is the kernels' fp32 error, not slack.
 """
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from torch import nn
 import transformer_fast as tf
 import transformer_fast.modules as tfm
 from transformer_fast import reference
+
+from helpers import assert_close_to_reference, max_error
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 E, H = 24, 4  # head dim 6: not a power of two
@@ -216,6 +220,25 @@ def test_mha_unbatched(batch_first, mask_kind):
     run_both(ref, ours, [q, kv, kv], dict(attn_mask=attn_mask, key_padding_mask=kpm, need_weights=False))
     x = torch.randn(S, E)
     run_both(ref, ours, [x, x, x], dict(key_padding_mask=kpm, need_weights=False))
+
+
+def test_mha_keeps_a_float32_mask_with_a_bfloat16_module():
+    """torch's MultiheadAttention passes a float32 attn_mask on unchanged to a bf16 attention (SDPA
+    adds it in float32); ours too. Mask values near 2000, where bf16's spacing is 16: rounded to
+    bf16 they would move every softmax by O(1). Against the same module in float64, within 2x the
+    error of torch's own module in bf16."""
+    ref, ours = mha_pair(batch_first=True, train=True)
+    ref64 = copy.deepcopy(ref).double()
+    ref, ours = ref.bfloat16(), ours.bfloat16()
+    mask = 2000 + 3 * torch.rand(S, S)
+    mask[:, 2] = float("-inf")
+    x = torch.randn(B, S, E).bfloat16()
+    expected = ref64(x.double(), x.double(), x.double(), attn_mask=mask.double(), need_weights=False)[0]
+    torch_bf16 = ref(x, x, x, attn_mask=mask, need_weights=False)[0]
+    out = ours(x, x, x, attn_mask=mask, need_weights=False)[0]
+    assert_close_to_reference(out, expected, torch_bf16, what="bf16 MultiheadAttention, float32 mask")
+    rounded = ours(x, x, x, attn_mask=mask.bfloat16(), need_weights=False)[0]
+    assert max_error(rounded, expected) > 10 * max_error(out, expected)
 
 
 def test_mha_non_contiguous_inputs():

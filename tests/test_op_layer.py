@@ -51,7 +51,17 @@ def _op_cases():
     # (the results are laid out the same way: transformer_fast/_layout.py)
     tq, tk, tv = (torch.randn(2, 5, h, 8).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
     t_out, t_lse = ops.attention_forward(tq.detach(), tk.detach(), tv.detach(), None, pad, False, 0.3, 0.0, 0)
+    # a bfloat16 query with a float32 mask (added in float32; its gradient dS float32)
+    bq, bk, bv = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    b_out, b_lse = ops.attention_forward(bq.detach(), bk.detach(), bv.detach(), mask, pad, True, 0.3, 0.0, 0)
     return {
+        "attention_forward float32 mask": (ops.attention_forward, (bq, bk, bv, mask, pad, True, 0.3, 0.0, 0)),
+        "attention_backward float32 mask": (ops.attention_backward,
+                                            (dout.bfloat16(), bq.detach(), bk.detach(), bv.detach(), b_out, b_lse,
+                                             mask, pad, True, 0.3, 0.0, 0, True)),
+        "scaled_dot_product_attention float32 mask": (ops.scaled_dot_product_attention,
+                                                      (bq, bk, bv, mask.detach().clone().requires_grad_(), 0.0),
+                                                      {"enable_gqa": True, "key_padding_mask": pad}),
         "attention_forward": (ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0)),
         "attention_forward heads inside rows": (ops.attention_forward, (tq, tk, tv, None, pad, False, 0.3, 0.0, 0)),
         "attention_backward heads inside rows": (ops.attention_backward,

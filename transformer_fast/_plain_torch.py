@@ -183,7 +183,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dv = _sum_groups((probs * keep).transpose(-2, -1) @ doutc, Hk)
     dprobs = (doutc @ v_full.transpose(-2, -1)) * keep
     dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
-    dmask = dscores.to(q.dtype) if compute_dmask else None
+    float32_mask = attn_mask is not None and attn_mask.dtype == torch.float32
+    dmask = dscores.to(torch.float32 if float32_mask else q.dtype) if compute_dmask else None
     if raw is not None:  # through softcap * tanh(raw / softcap)
         dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
     dq = dscores @ k_full * scale

@@ -28,7 +28,8 @@ False in packed mode. Any strides with a unit last-dim stride; Hk divides H (GQA
 
 Per sequence with Nq queries and Nk keys (dense: every batch entry), query i attends key j iff
   j < Nk; the key is not padded (key_padding_mask (B, Nk) bool, True = padded); a bool attn_mask
-  ((B, H, Nq, Nk) view, stride 0 on broadcast dims) is True there, a float one not -inf;
+  ((B, H, Nq, Nk) view, stride 0 on broadcast dims) is True there, a float one (q's dtype or
+  float32) not -inf;
   is_causal (dense only): j <= i (top-left aligned, as torch);
   window (left, right), -1 = unbounded, aligned to the bottom right (FlashAttention-2):
   i + Nk - Nq - left <= j <= i + Nk - Nq + right (so (-1, 0) is bottom-right causal).
@@ -44,12 +45,12 @@ Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p)
 row's keys over several programs or threads (decoding: few queries, many keys) and merge the parts
 by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
 
-dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) contiguous in q's
-dtype, the gradient of the final scores (so of an additive float mask), with the forward's
-dropout: 0 for disallowed pairs, padded keys and rows with no allowed key. The backward needs no
-sinks (lse includes them); the sinks' gradient, -sum_i exp(sinks[h] - lse_i) * (dO_i . O_i), is
-formed by the autograd formula (csrc/attention_op.cpp). seqused_k and block_table are
-inference-only, as in torch's varlen_attn.
+dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) contiguous in the
+float mask's dtype (q's, or float32), the gradient of the final scores (so of an additive float
+mask), with the forward's dropout: 0 for disallowed pairs, padded keys and rows with no allowed
+key. The backward needs no sinks (lse includes them); the sinks' gradient,
+-sum_i exp(sinks[h] - lse_i) * (dO_i . O_i), is formed by the autograd formula
+(csrc/attention_op.cpp). seqused_k and block_table are inference-only, as in torch's varlen_attn.
 """
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
       window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
-    dmask = q.new_empty(*q.shape[:3], k.shape[2]) if compute_dmask else q.new_empty(0)
+    float32_mask = attn_mask is not None and attn_mask.dtype == torch.float32
+    dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=torch.float32 if float32_mask else q.dtype) \
+        if compute_dmask else q.new_empty(0)
     return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
             dmask)
 

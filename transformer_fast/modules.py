@@ -113,6 +113,12 @@ def _causal_mask(nq, nk, device):
     return torch.ones(nq, nk, dtype=torch.bool, device=device).triu(1)
 
 
+def _additive(mask, dtype):
+    """A float mask for the kernels: float32 as it is (they add it in float32, as torch's SDPA
+    does), any other float dtype in the query's `dtype`."""
+    return mask if mask.dtype == torch.float32 else mask.to(dtype)
+
+
 def _pad_last(mask, fill):
     """One more key column (for add_bias_kv / add_zero_attn), filled with `fill`."""
     return torch.cat([mask, mask.new_full((*mask.shape[:-1], 1), fill)], dim=-1)
@@ -298,14 +304,14 @@ class MultiheadAttention(_NotScriptable, nn.MultiheadAttention):
         elif is_causal:
             attn_mask = None  # the hint says attn_mask is the causal mask (as torch trusts it)
         # attn_mask -> the kernel's convention (bool True = allowed, or float added) as a view
-        # that broadcasts to (B, H, L, S).
+        # that broadcasts to (B, H, L, S). A float32 mask stays float32, as torch passes it on.
         if attn_mask is not None:
-            attn_mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+            attn_mask = ~attn_mask if attn_mask.dtype == torch.bool else _additive(attn_mask, dtype)
             if attn_mask.dim() == 3:
                 attn_mask = attn_mask.view(B, H, L, S)
         if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
             # A float key_padding_mask is added to the scores, like a float attn_mask.
-            additive = key_padding_mask.to(dtype)[:, None, None, :]
+            additive = _additive(key_padding_mask, dtype)[:, None, None, :]
             if attn_mask is None:
                 attn_mask = additive
             elif attn_mask.dtype == torch.bool:

@@ -401,8 +401,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if position_bias is not None:
         attention_mask = _position_bias_mask(position_bias, attention_mask, is_causal, q_len, k_len)
         is_causal = False
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask.to(query.dtype)
+    if attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32):
+        attention_mask = attention_mask.to(query.dtype)  # float32 stays: added in float32, as by sdpa
     if attention_mask is not None and attention_mask.dim() == 2:  # a (B, Lk) padding mask, 1 = attend
         attention_mask = attention_mask.bool()[:, None, None, :]
     key_padding_mask = None
