@@ -36,8 +36,8 @@ OTHER_RECORDS = {
                                               "packed/paged layouts and the decoding split, compiled for sm_80 and "
                                               "sm_90: registers and spills of every config (`compile_check --only "
                                               "attention`)",
-    "compile-check-float32-mask-2026-11-26.txt": "the Triton attention kernels with a float32 attn_mask and a bf16 "
-                                                 "query (mask read and dS written in float32), compiled for sm_80 "
+    "compile-check-float-mask-2026-11-26.txt": "the Triton attention kernels with a float attn_mask (float32 with a bf16 "
+                                                 "query included; finfo.min kept finite), compiled for sm_80 "
                                                  "and sm_90: registers and spills",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"

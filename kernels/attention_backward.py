@@ -46,6 +46,16 @@ def attention_bwd_preprocess_kernel(Out, DOut, Delta, stride_ob, stride_oh, stri
 
 
 @triton.jit
+def _at_most_zero(x, MASK_KIND: tl.constexpr):
+    """min(s - lse, 0) with a float mask (NaN stays NaN). s - lse <= 0, but on a row whose every
+    score is huge and negative (finfo.min or -1e38 on every key) lse absorbs log(l), and its
+    rounding through the natural-log store can leave s - lse a huge positive number: P = inf."""
+    if MASK_KIND == 2:
+        x = tl.where(x > 0.0, 0.0, x)
+    return x
+
+
+@triton.jit
 def _zero_rows(base, stride_n, first, count, step_start, step, HEAD: tl.constexpr, BLOCK: tl.constexpr,
                ROWS: tl.constexpr):
     """Zeroes rows first .. first + count - 1 (a packed gradient's rows after its last sequence)
@@ -87,7 +97,7 @@ def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base
                        mask_base + m64 * stride_maskm + ((mi * stride_maskm)[None, :] + nj * stride_maskn), shift,
                        win_left, win_right, slope2, qk_scale, softcap2, IS_CAUSAL, CHECK, WINDOW_LEFT, WINDOW_RIGHT,
                        MASK_KIND, False, HAS_SOFTCAP, HAS_ALIBI)
-    p_t = tl.exp2(s_t - lse2[None, :])
+    p_t = tl.exp2(_at_most_zero(s_t - lse2[None, :], MASK_KIND))
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep_t = _dropout_keep(seed, drop_offset + m64 * drop_stride + start_n, mi[None, :], nj, drop_stride,
@@ -243,7 +253,7 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stri
     s, t = _scores(qk, qi, offs_n[None, :], key_ok[None, :], n_q, n_k, mask_ptrs, shift, win_left, win_right, slope2,
                    qk_scale, softcap2, IS_CAUSAL, CHECK, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND, check_keys, HAS_SOFTCAP,
                    HAS_ALIBI)
-    p = tl.exp2(s - lse2[:, None])
+    p = tl.exp2(_at_most_zero(s - lse2[:, None], MASK_KIND))
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, drop_offset + start_n, mi, nj[None, :], drop_stride, dropout_p)

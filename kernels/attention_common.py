@@ -116,8 +116,11 @@ def _scores(qk, qi, kj, key_ok, n_q, n_k, mask_ptrs, shift, win_left, win_right,
     if HAS_ALIBI:
         s = s - slope2 * tl.abs(qi + shift - kj).to(tl.float32)
     if MASK_KIND == 2:  # float mask: added (in natural-log units, hence * log2(e))
-        bias = tl.load(mask_ptrs, mask=(qi < n_q) & (kj < n_k), other=0.0)
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        bias = tl.load(mask_ptrs, mask=(qi < n_q) & (kj < n_k), other=0.0).to(tl.float32)
+        # finfo.min (the usual "masked" fill) times log2(e) would overflow to -inf: a row of it
+        # would become a row with no allowed key (output 0), where torch's softmax is uniform
+        bias = tl.where((bias < -2.0e38) & (bias != float("-inf")), -2.0e38, bias)
+        s = s + bias * 1.4426950408889634
     if MASK_KIND == 1:  # bool mask, True = allowed
         allowed = tl.load(mask_ptrs, mask=(qi < n_q) & (kj < n_k), other=0)
         s = tl.where(allowed != 0, s, float("-inf"))

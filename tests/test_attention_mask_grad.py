@@ -205,6 +205,33 @@ def test_float32_mask_with_half_precision_query(backend, dtype):
     check_float32_mask(functools.partial(tf.scaled_dot_product_attention, backend=backend), dtype, backend)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpp", "triton"])
+def test_rows_masked_by_the_most_negative_float(backend):
+    """A float mask holding finfo.min where masked (Hugging Face models' fill): where a row has it
+    on every key, the scores vanish next to it and torch's softmax is uniform; every backend's too
+    (in the Triton kernels' base-2 units it would overflow to -inf: a row with no allowed key,
+    output 0). Rows with some key allowed as usual. Gradients finite everywhere, and equal to
+    torch's on the rows with an allowed key (docs/compatibility.md: the fully masked rows')."""
+    _need(backend)
+    torch.manual_seed(4)
+    B, H, N, D = 2, 2, 9, 16
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, N, N, D))
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.zeros(N, N).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), lowest)
+    mask[0] = lowest  # no key allowed
+    mask[4, 2] = lowest
+    out = tf.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*inputs64, attn_mask=mask.double())
+    assert torch.allclose(expected[:, :, 0], inputs64[2].mean(2))  # uniform over every key
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-4)
+    dout = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, (q, k, v), dout.float())
+    assert all(torch.isfinite(g).all() for g in grads)
+    dq_expected = torch.autograd.grad(expected, inputs64[0], dout)[0]
+    torch.testing.assert_close(grads[0][:, :, 1:].double(), dq_expected[:, :, 1:], atol=1e-5, rtol=1e-4)
+
+
 def test_opcheck_backward_with_dmask():
     """The backward op's schema and fake implementation with compute_dmask (torch.compile's view)."""
     _need("cpp")
