@@ -2,6 +2,7 @@
 import functools
 
 import torch
+import torch.nn.functional as F
 
 import transformer_fast as tf
 from transformer_fast import reference
@@ -85,17 +86,15 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
                                   gradient_formulation=flash)
 
 
-def check_float32_mask(attention, dtype, what):
+def check_float32_mask(attention, dtype, what, shape=(2, 4, 2, 17, 40, 24)):
     """A float32 attn_mask with a half-precision query, as torch's SDPA accepts it: added in float32,
     its gradient float32. `attention(q, k, v, attn_mask=..., enable_gqa=True)`. The mask's values sit
     near 2000, where the spacing of bf16 is 16 and of fp16 1: rounded to the query's dtype they would
     change every softmax by O(1) (the check asserts that, so it can fail). Output and the four
     gradients against the float64 reference, within 2x the error of torch's own SDPA on the same
-    inputs (which keeps the mask in float32)."""
-    import torch.nn.functional as F
-
+    inputs (which keeps the mask in float32). shape: (B, H, Hk, Nq, Nk, D)."""
     torch.manual_seed(3)
-    B, H, Hk, Nq, Nk, D = 2, 4, 2, 17, 40, 24
+    B, H, Hk, Nq, Nk, D = shape
     qkv = make_qkv(B, H, Nq, Nk, D, Hk=Hk, dtype=dtype)
     mask = 2000 + 3 * torch.rand(H, Nq, Nk)
     mask[:, :, 5] = float("-inf")

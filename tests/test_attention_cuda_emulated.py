@@ -220,7 +220,8 @@ def test_mask_gradient(emulation):
 def test_float32_mask_with_half_precision_query(emulation):
     """A float32 attn_mask with an fp16 query: the CUDA kernels add it in float32 and the dQ kernel
     writes its gradient dS in float32."""
-    check_float32_mask(emulated_attention(emulation, (16, 8, 16)), torch.float16, "emulated CUDA")
+    check_float32_mask(emulated_attention(emulation, (16, 8, 16)), torch.float16, "emulated CUDA",
+                       shape=(1, 2, 1, 9, 20, 16))
 
 
 def test_mask_gradient_with_dropout_matches_the_cpu_kernel(emulation):
