@@ -15,6 +15,11 @@ def _compute_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def dmask_dtype(attn_mask, q):
+    """dS, the float mask's gradient, has the mask's dtype: the query's, or float32."""
+    return torch.float32 if attn_mask is not None and attn_mask.dtype == torch.float32 else q.dtype
+
+
 def dropout_keep_mask(seed, shape, dropout_p, device):
     """The reference backend's dropout mask: True = kept, drawn from a generator seeded with `seed`
     so the backward regenerates exactly the forward's mask."""
@@ -183,8 +188,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dv = _sum_groups((probs * keep).transpose(-2, -1) @ doutc, Hk)
     dprobs = (doutc @ v_full.transpose(-2, -1)) * keep
     dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
-    float32_mask = attn_mask is not None and attn_mask.dtype == torch.float32
-    dmask = dscores.to(torch.float32 if float32_mask else q.dtype) if compute_dmask else None
+    dmask = dscores.to(dmask_dtype(attn_mask, q)) if compute_dmask else None
     if raw is not None:  # through softcap * tanh(raw / softcap)
         dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
     dq = dscores @ k_full * scale

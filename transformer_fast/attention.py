@@ -64,6 +64,7 @@ from . import _backends, _build, _explicit
 from ._backends import KERNEL_DTYPES
 from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
 from ._layout import empty_in_rows_of
+from ._plain_torch import dmask_dtype
 
 _C, _ = _build.load()
 
@@ -86,9 +87,7 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
       window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
-    float32_mask = attn_mask is not None and attn_mask.dtype == torch.float32
-    dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=torch.float32 if float32_mask else q.dtype) \
-        if compute_dmask else q.new_empty(0)
+    dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(attn_mask, q)) if compute_dmask else q.new_empty(0)
     return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
             dmask)
 
