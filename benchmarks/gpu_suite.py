@@ -9,7 +9,8 @@ Steps (`--gpu-steps`, default all three):
               why not; one small call of every kernel family on the GPU against the float64
               reference
   tests       `pytest -m gpu tests` (pytest-xdist workers where it is installed; `--test-workers`),
-              within `--test-timeout` seconds
+              within `--test-timeout` seconds; `--test-selection EXPR` passes `-k EXPR` (a short run
+              can leave out the full grids: "not full_grid")
   benchmarks  the sweep (attention, layer_norm, train_step) on the GPU, target_gpu_attention,
               target_gpu_varlen (packed sequences, split decoding, sliding windows), models (the whole
               models on the GPU, bf16 autocast) and host (the CPU host cost per call)
@@ -94,9 +95,12 @@ def _check(ours, exact, plain):
     return {"error": err, "bound": bound, "ok": err <= bound}
 
 
-def run_gpu_tests(workers, timeout):
-    """`pytest -m gpu tests`: its exit status, the summary line and the failed tests."""
+def run_gpu_tests(workers, timeout, selection=None):
+    """`pytest -m gpu tests` (`-k selection` where given): its exit status, the summary line and the
+    failed tests."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider"]
+    if selection:
+        cmd += ["-k", selection]
     try:
         import xdist  # noqa: F401
 
@@ -174,7 +178,7 @@ def run(args):
     result["device"] = measure.device_info(torch.device("cuda"))
     if "tests" in steps:
         print("== gpu tests", flush=True)
-        result["tests"] = run_gpu_tests(args.test_workers, args.test_timeout)
+        result["tests"] = run_gpu_tests(args.test_workers, args.test_timeout, args.test_selection)
         status = max(status, 0 if result["tests"]["exit_status"] == 0 else 1)
     if "benchmarks" in steps:
         print("== benchmarks", flush=True)

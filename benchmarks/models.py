@@ -364,7 +364,8 @@ def run(args):
     print(f"  sizes: {preset}; linear-layer GFLOP/s (forward, forward + backward): "
           + ", ".join(f"{d} {r['forward']:.1f}, {r['train']:.1f}" for d, r in rates.items()), flush=True)
     rows, fp32_seconds = [], {}
-    families = (("bert", bert_cases), ("llama", llama_cases), ("encdec", encdec_cases))
+    families = [(name, make) for name, make in (("bert", bert_cases), ("llama", llama_cases),
+                                                ("encdec", encdec_cases)) if name in args.model_families]
     for name in dtypes:
         dtype = getattr(torch, name)
         precision = name + (" autocast" if device.type == "cuda" and dtype != torch.float32 else "")

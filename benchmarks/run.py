@@ -48,7 +48,7 @@ SUITES = {
     "target_cpu_layer_norm": "fused residual + LayerNorm against torch, 4096 x 1024, and GB/s against a copy",
     "target_cpu_linear_attention": "C++ causal linear attention against PyTorch ones, N=4096; memory; crossover",
     "linear_state": "C++ causal linear attention prefill with a carried state against without one, N=4096",
-    "target_gpu_attention": "Triton attention against torch's FlashAttention backend, bf16/fp16 grid (GPU)",
+    "target_gpu_attention": "Triton attention against torch's SDPA (its own backend choice), bf16/fp16 grid (GPU)",
     "varlen": "C++ attention on a pack of unequal sequences, a 512-key window at 16k and a decoding step (CPU)",
     "target_gpu_varlen": "Triton varlen (vs torch varlen_attn), split decoding at 32k, a 4k window at 32k (GPU)",
     "host": "host cost per call of each public function on tiny tensors, one thread, against torch's",
@@ -132,11 +132,16 @@ def parse_args(argv=None):
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--attention-backend", default="triton", choices=["triton", "cpp"],
                    help="target_gpu_attention: ours is the Triton kernels or the C++ backend's CUDA kernels")
+    p.add_argument("--model-families", type=lambda text: [t for t in text.split(",") if t],
+                   default=["bert", "llama", "encdec"], help="models: which model families to run (comma-separated)")
+    p.add_argument("--sdpa-backend", default="default", choices=["default", "flash", "cudnn", "efficient"],
+                   help="target_gpu_attention: torch's SDPA as it chooses, or one backend pinned")
     p.add_argument("--gpu-rounds", type=int, default=5, help="target_gpu_attention: interleaved do_bench rounds")
     p.add_argument("--gpu-steps", default="install,tests,benchmarks",
                    help="gpu: which of install (the install check), tests, benchmarks to run")
     p.add_argument("--test-workers", type=int, default=None,
                    help="gpu: pytest-xdist workers for the gpu tests (default: 8 where pytest-xdist is installed)")
+    p.add_argument("--test-selection", default=None, metavar="EXPR", help="gpu: pytest -k EXPR for the gpu tests")
     p.add_argument("--test-timeout", type=float, default=3600, help="gpu: seconds the gpu tests may take")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--strict", action="store_true",
@@ -177,6 +182,9 @@ def parse_args(argv=None):
                  "train_layers", "train_vocab"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    unknown = set(args.model_families) - {"bert", "llama", "encdec"}
+    if unknown:
+        p.error(f"--model-families: unknown {sorted(unknown)}; expected bert, llama, encdec")
     for name in ("seq_lens", "train_seq_lens"):
         if getattr(args, name) is not None and min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

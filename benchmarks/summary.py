@@ -152,9 +152,14 @@ def load_all(folder=RESULTS):
 
 def variant(entry):
     """What a newer entry supersedes: the same device (by name: every CPU's slug is "cpu"),
-    suite and (GPU grid) backend."""
-    backend = entry["data"].get("args", {}).get("backend", "triton") if entry["suite"] == "target_gpu_attention" else ""
-    return entry["device"].get("name"), entry["suite"], backend
+    suite and, for the GPU grid, our backend and torch's SDPA backend it was timed against
+    ("triton", or "triton vs default" where torch chose its own; flash before that option)."""
+    if entry["suite"] != "target_gpu_attention":
+        return entry["device"].get("name"), entry["suite"], ""
+    args = entry["data"].get("args", {})
+    sdpa = args.get("sdpa_backend", "flash")
+    return entry["device"].get("name"), entry["suite"], args.get("backend", "triton") + (
+        "" if sdpa == "flash" else f" vs {sdpa}")
 
 
 def latest(entries):

@@ -218,11 +218,12 @@ def _sweep_rows(entry, prefix, cpu):
     return rows
 
 
-def _gpu_rows(latest, prefix, name):
+def _gpu_grid_rows(newest_first, prefix, against):
+    """The headline rows of the GPU attention grid timed against one torch backend."""
     rows = []
-    grid = summary.latest_gpu_grid_rows(latest.get((name, "target_gpu_attention", "triton"), []))
+    grid = summary.latest_gpu_grid_rows(newest_first)
     files = {r["file"]: r for r in grid}
-    rates = {e["file"]: e["data"]["matmul_flops_per_s"] for e in latest.get((name, "target_gpu_attention", "triton"), [])}
+    rates = {e["file"]: e["data"]["matmul_flops_per_s"] for e in newest_first}
     for passes, dtypes, what in (("fwd", ("bfloat16", "float16"), "forward, bf16 and fp16"),
                                  ("fwd+bwd", ("bfloat16",), "forward+backward, bf16"),
                                  ("fwd+bwd", ("float16",), "forward+backward, fp16")):
@@ -233,10 +234,17 @@ def _gpu_rows(latest, prefix, name):
         rate = " / ".join(_range([rates[f][d] / 1e12 for f in used if d in rates[f]], "{:.0f}", "") for d in dtypes)
         rows.append([f"softmax attention {what}, D = {'/'.join(map(str, sorted({r['D'] for r in got})))}, "
                      f"N = {', '.join(f'{n // 1024}k' for n in sorted({r['N'] for r in got}))}, causal and not "
-                     f"(B*N = 16k, H*D = 2048)", _range([r["ratio"] for r in got]) + " torch flash",
+                     f"(B*N = 16k, H*D = 2048)", _range([r["ratio"] for r in got]) + " " + against,
                      _range([r["ours_tflops"] for r in got], "{:.0f}", " TFLOP/s") + f" (matrix products: {rate})",
                      ", ".join(sorted({_day(files[f]['created']) for f in used})),
                      ", ".join(_link(f, prefix) for f in used)])
+    return rows
+
+
+def _gpu_rows(latest, prefix, name):
+    rows = []
+    for backend, against in (("triton", "torch flash"), ("triton vs default", "torch SDPA (its choice)")):
+        rows += _gpu_grid_rows(latest.get((name, "target_gpu_attention", backend), []), prefix, against)
     for entry in latest.get((name, "target_gpu_attention", "cpp"), [])[:1]:
         got = entry["data"]["results"]
         rows.append(["the C++ backend's CUDA kernels (the fallback without Triton), "
@@ -294,7 +302,7 @@ def _latest_table(folder, prefix):
     rows = []
     for (name, suite, backend), newest_first in sorted(summary.latest(summary.load_all(folder)).items()):
         used = newest_first[:1]
-        if suite == "target_gpu_attention" and backend == "triton":
+        if suite == "target_gpu_attention" and backend.startswith("triton"):
             used = [e for e in newest_first if e["file"] in {r["file"] for r in summary.latest_gpu_grid_rows(
                 newest_first)}]
         for e in used:

@@ -1,4 +1,4 @@
-"""target_gpu_attention: the Triton attention against torch's FlashAttention backend on one GPU.
+"""target_gpu_attention: the Triton attention against torch's SDPA on one GPU.
 
 The grid of the GPU performance target: forward and forward+backward, causal and not, bf16 and
 fp16, head dims 64 and 128, N = 1k ... 16k. Batch and heads follow the FlashAttention papers'
@@ -7,7 +7,8 @@ token. Each case:
 
 1. checks our output and gradients against torch's on the same inputs (relative Frobenius
    error; both are compared with a float64 reference on 16 query rows of one head as well);
-2. times torch (`F.scaled_dot_product_attention` inside `sdpa_kernel(FLASH_ATTENTION)`) and ours
+2. times torch (`F.scaled_dot_product_attention` left to choose its backend, as models call it:
+   cuDNN attention on an H100 with torch 2.11; `--sdpa-backend flash` pins FlashAttention-2) and ours
    alternately, `--rounds` times, each with `triton.testing.do_bench` (median, L2 flushed),
    after a warm-up that includes our autotuning;
 3. reports the median of the per-round ratios (torch time / our time, > 1 = we are faster) and
@@ -26,9 +27,16 @@ import argparse
 import statistics
 
 import torch
+import torch.nn.attention
 import torch.nn.functional as F
 
 import transformer_fast as tf
+
+
+# --sdpa-backend: torch's own choice (None), or one backend pinned
+SDPA_BACKENDS = {"default": None, "flash": [torch.nn.attention.SDPBackend.FLASH_ATTENTION],
+                 "cudnn": [torch.nn.attention.SDPBackend.CUDNN_ATTENTION],
+                 "efficient": [torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]}
 
 
 def _do_bench(fn):
@@ -111,8 +119,12 @@ def run_case(dtype, D, N, causal, passes, args):
     def ours(q, k, v):
         return tf.scaled_dot_product_attention(q, k, v, is_causal=causal, backend=args.backend)
 
+    backends = SDPA_BACKENDS[args.sdpa_backend]
+
     def theirs(q, k, v):
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        if backends is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with torch.nn.attention.sdpa_kernel(backends):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     # once per shape (the check covers the output and all three gradients)
@@ -142,7 +154,9 @@ def markdown(result):
     body = result["result"]
     results, rates = body["results"], body["matmul_flops_per_s"]
     lines = header_block(result) + [
-             f"Ours: the {body['args']['backend']} backend. Matrix-product rate measured in this run (random data): "
+             f"Ours: the {body['args']['backend']} backend. Torch: SDPA with "
+             f"{_torch_side(body['args'].get('sdpa_backend', 'flash'))}. "
+             "Matrix-product rate measured in this run (random data): "
              + ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in rates.items()) + ".", "",
              "ratio = torch time / our time (median of interleaved do_bench rounds; > 1 = ours faster). "
              "% mm = our TFLOP/s over the matrix-product rate of the dtype.", "",
@@ -158,6 +172,10 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def _torch_side(name):
+    return "the backend it chooses" if name == "default" else f"its {name} backend pinned"
+
+
 def run(args):
     """The grid; returns the suite's result body (written by benchmarks.run)."""
     if not torch.cuda.is_available():
@@ -168,7 +186,7 @@ def run(args):
         dtypes=[args.dtype] if args.dtype else ["bfloat16", "float16"],
         head_dims=[args.head_dim] if args.head_dim != 64 else [64, 128],
         seq_lens=args.seq_lens or [1024, 2048, 4096, 8192, 16384], passes=list(args.passes),
-        causal=args.causal)
+        causal=args.causal, sdpa_backend=args.sdpa_backend)
     if args.smoke:
         grid.tokens, grid.hidden, grid.seq_lens, grid.head_dims, grid.rounds = 256, 64, [128], [32], 1
     dtypes = [getattr(torch, d) for d in grid.dtypes]

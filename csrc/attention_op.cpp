@@ -37,7 +37,7 @@ at::Tensor sinks_gradient(const at::Tensor& dout, const at::Tensor& out, const a
   if (packed) delta = delta.t();
   const at::Tensor sink = packed ? sinks.unsqueeze(1) : sinks.view({1, -1, 1});
   const at::Tensor weighted = at::exp(sink - lse) * delta;
-  return packed ? -weighted.sum(1) : -weighted.sum({0, 2});
+  return packed ? -weighted.sum(1) : -weighted.sum(at::IntArrayRef{0, 2});
 }
 
 // The autograd node of attention_forward: its backward is the attention_backward op, with the score

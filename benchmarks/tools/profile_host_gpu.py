@@ -6,12 +6,15 @@ In the H100 sweep (benchmarks/results/cuda-h100-2026-11-23-0505.md) a LayerNorm 
 4096 x 1024 took 0.15 ms and a forward+backward about 1 ms (attention over 4 x 16 x 1024 x 64:
 0.94 ms) where torch took 0.02-0.26 ms: far more than the kernels need, measured on a machine that
 was not quiet. For each such case this prints the host time per call (calls queued without
-synchronizing) and the time per call including the device, for ours and torch's, then the
-functions where our calls spend it.
+synchronizing) and the time per call including the device, for ours and torch's (medians of five
+interleaved rounds), then the functions where our calls spend it. The "tiny" shapes are the host
+suite's: there the device work is negligible, and the issue's GPU target (host time per call at
+most torch's + 5 us) applies.
 """
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -20,25 +23,39 @@ import torch.nn.functional as F
 import transformer_fast as tf
 
 
-def _cases():
+def _cases(shapes):
+    """{name: (ours, torch's)}: LayerNorm, RMSNorm and attention calls, forward without grad and
+    forward+backward, for each of `shapes` ("tiny": the host suite's sizes, where the device work is
+    negligible and the time per call is the host's; "large": the sizes of the sweep's rows)."""
     dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(4096, 1024, device=dev, dtype=dt, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(1024, device=dev, dtype=dt)).requires_grad_()
-    b = (0.1 * torch.randn(1024, device=dev, dtype=dt)).requires_grad_()
-    dy = torch.randn_like(x)
-    q, k, v = (torch.randn(4, 16, 1024, 64, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-    return {
-        "layer_norm fwd": (lambda: tf.layer_norm(x.detach(), (1024,), w.detach(), b.detach()),
-                           lambda: F.layer_norm(x.detach(), (1024,), w.detach(), b.detach())),
-        "layer_norm fwd+bwd": (lambda: torch.autograd.grad(tf.layer_norm(x, (1024,), w, b), (x, w, b), dy),
-                               lambda: torch.autograd.grad(F.layer_norm(x, (1024,), w, b), (x, w, b), dy)),
-        "attention fwd": (lambda: tf.scaled_dot_product_attention(q.detach(), k.detach(), v.detach()),
-                          lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach())),
-        "attention fwd+bwd": (
-            lambda: torch.autograd.grad(tf.scaled_dot_product_attention(q, k, v), (q, k, v), do),
-            lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)),
-    }
+    sizes = {"tiny": ((8, 64), (1, 2, 8, 16)), "large": ((4096, 1024), (4, 16, 1024, 64))}
+    cases = {}
+    for shape in shapes:
+        (rows, width), qkv_shape = sizes[shape]
+        x = torch.randn(rows, width, device=dev, dtype=dt, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(width, device=dev, dtype=dt)).requires_grad_()
+        b = (0.1 * torch.randn(width, device=dev, dtype=dt)).requires_grad_()
+        dy = torch.randn_like(x)
+        q, k, v = (torch.randn(qkv_shape, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        xd, wd, bd, qd, kd, vd = (t.detach() for t in (x, w, b, q, k, v))
+        n = (width,)
+        cases.update({
+            f"{shape} layer_norm fwd": (lambda: tf.layer_norm(xd, n, wd, bd), lambda: F.layer_norm(xd, n, wd, bd)),
+            f"{shape} layer_norm fwd+bwd": (
+                lambda: torch.autograd.grad(tf.layer_norm(x, n, w, b), (x, w, b), dy),
+                lambda: torch.autograd.grad(F.layer_norm(x, n, w, b), (x, w, b), dy)),
+            f"{shape} rms_norm fwd": (lambda: tf.rms_norm(xd, n, wd), lambda: F.rms_norm(xd, n, wd)),
+            f"{shape} attention fwd": (lambda: tf.scaled_dot_product_attention(qd, kd, vd),
+                                       lambda: F.scaled_dot_product_attention(qd, kd, vd)),
+            f"{shape} attention causal fwd": (
+                lambda: tf.scaled_dot_product_attention(qd, kd, vd, is_causal=True),
+                lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)),
+            f"{shape} attention fwd+bwd": (
+                lambda: torch.autograd.grad(tf.scaled_dot_product_attention(q, k, v), (q, k, v), do),
+                lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)),
+        })
+    return cases
 
 
 def _per_call(fn, calls):
@@ -55,17 +72,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.tools.profile_host_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--shapes", nargs="+", default=["tiny", "large"], choices=["tiny", "large"])
+    p.add_argument("--no-cprofile", action="store_true", help="the per-call table only")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_host_gpu needs a CUDA GPU")
-    cases = _cases()
+    cases = _cases(args.shapes)
     for name, (ours, theirs) in cases.items():
         for fn in (ours, theirs):
             for _ in range(20):  # compile, autotune, allocator warm-up
                 fn()
-        (oh, ot), (th, tt) = _per_call(ours, args.calls), _per_call(theirs, args.calls)
-        print(f"{name:<20} ours host {oh * 1e6:7.1f} us, with device {ot * 1e6:7.1f} us | "
-              f"torch host {th * 1e6:7.1f} us, with device {tt * 1e6:7.1f} us", flush=True)
+        rounds = [(_per_call(ours, args.calls), _per_call(theirs, args.calls)) for _ in range(5)]  # interleaved
+        (oh, ot), (th, tt) = (tuple(statistics.median(r[i][j] for r in rounds) for j in range(2)) for i in range(2))
+        print(f"{name:<30} ours host {oh * 1e6:7.1f} us, with device {ot * 1e6:7.1f} us | "
+              f"torch host {th * 1e6:7.1f} us, with device {tt * 1e6:7.1f} us | "
+              f"host ours - torch {(oh - th) * 1e6:+6.1f} us", flush=True)
+    if args.no_cprofile:
+        return
     for name, (ours, _theirs) in cases.items():  # warmed up above
         profile = cProfile.Profile()
         profile.enable()

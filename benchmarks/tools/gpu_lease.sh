@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU checks in one call of a few minutes, each stage cut at a shared deadline, run from the
+# repository root on a CUDA machine with torch and Triton installed (no package registry needed):
+#
+#   bash benchmarks/tools/gpu_lease.sh [STAGE...]        (default: every stage, in this order)
+#
+#   install    build the C++ extension (CUDA kernels for the GPU present, TORCH_CUDA_ARCH_LIST) in place
+#   check      the gpu suite's install check: every kernel family on the GPU against float64
+#   tests      the gpu-marked tests without the full grids (pytest -k "not full_grid", 14 workers)
+#   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
+#   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
+#   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
+#   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
+#   models     the encoder-decoder and BERT on the GPU (bf16 autocast), then the Llama-like decoder
+#   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
+#   grids      the full grids of the gpu tests, in what time is left
+#
+# `python -m benchmarks.run --only gpu` is the complete run; this is its order of priority for a
+# machine lent for minutes. Logs go to $OUT (default /tmp/gpu_lease); result files to
+# $OUT/results, packed into $OUT/results.tar after each stage so that what finished comes back
+# when a later stage is cut. DEADLINE (seconds, default 570) bounds the whole call.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_lease}
+DEADLINE=${DEADLINE:-570}
+mkdir -p "$OUT/results"
+exec > >(tee -a "$OUT/main.log") 2>&1
+export PYTHONUNBUFFERED=1 MAX_JOBS=16
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
+
+left() { echo $((DEADLINE - SECONDS)); }
+cap() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }  # at most $1 seconds, within the deadline
+pack() { tar -C "$OUT" -cf "$OUT/results.tar" results; }
+BENCH=(python3 -m benchmarks.run --out "$OUT/results" --no-progress --no-plots)
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+
+stage_install() {
+    python3 -m pip install -v --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1
+    echo "pip exit $? at ${SECONDS}s"
+    python3 -c "import torch, triton, transformers, transformer_fast as tf; from transformer_fast import _build; \
+print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, \
+'|', torch.cuda.get_device_name(), '| C++ CUDA families', _build.extension().cuda_families(), \
+'| backends', tf.available_backends())"
+}
+stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
+    --out "$OUT/results" --no-progress; pack; }
+stage_tests() {
+    timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "not full_grid" -n 14 -q -rfE --tb=short \
+        -p no:cacheprovider --durations=10 >"$OUT/tests.log" 2>&1
+    echo "pytest exit $?"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -40
+}
+stage_host() {
+    timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.profile_host_gpu --top 20 >"$OUT/host.log" 2>&1
+    echo "profile_host_gpu exit $?"
+    grep -E "^(tiny|large) " "$OUT/host.log"
+}
+stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_attention --dtype bfloat16 \
+    --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; pack; }
+stage_kernels() {
+    timeout -s INT "$(cap 60)" python3 -m benchmarks.tools.profile_attention_gpu >"$OUT/kernels.log" 2>&1
+    echo "profile_attention_gpu exit $?"
+    grep -E "^==|^  (ours|torch):" "$OUT/kernels.log"
+}
+stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; pack; }
+stage_models() {
+    timeout -s INT "$(cap 150)" "${BENCH[@]}" --only models --device cuda --model-families encdec,bert --budget 1 \
+        --repeats 10 --min-repeats 3 2>&1 | tail -12; pack
+    timeout -s INT "$(cap 150)" "${BENCH[@]}" --only models --device cuda --model-families llama --budget 1 \
+        --repeats 10 --min-repeats 3 2>&1 | tail -8; pack
+}
+stage_ncu() {
+    timeout -s INT "$(cap 120)" "${NCU:-ncu}" --clock-control none --profile-from-start off --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        python3 -m benchmarks.tools.profile_attention_gpu --ncu --head-dims 64 --causal no >"$OUT/ncu.log" 2>&1
+    echo "ncu exit $?"
+    grep -E "^  [a-z_A-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
+        "$OUT/ncu.log" | head -60
+}
+stage_grids() {
+    timeout -s INT "$(cap 600)" python3 -m pytest -m gpu tests -k "full_grid" -n 14 -q -rfE --tb=short \
+        -p no:cacheprovider >"$OUT/grids.log" 2>&1
+    echo "pytest exit $?"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/grids.log" | tail -20
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(install check tests host attention kernels layer_norm models ncu grids)
+for stage in "${stages[@]}"; do
+    if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
+    echo "== $stage (at ${SECONDS}s, $(left)s left)"
+    "stage_$stage"
+done
+echo "== done at ${SECONDS}s"
