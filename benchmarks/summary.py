@@ -39,6 +39,8 @@ OTHER_RECORDS = {
     "compile-check-float-mask-2026-11-26.txt": "the Triton attention kernels with a float attn_mask (float32 with a bf16 "
                                                  "query included; finfo.min kept finite), compiled for sm_80 "
                                                  "and sm_90: registers and spills",
+    "compile-check-layer-norm-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with weight and bias read in "
+                                               "their own dtype, compiled for sm_80 and sm_90: registers and spills",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"
                                                          "tiles_gpu.py): the source of the bf16/fp16 backward tables",

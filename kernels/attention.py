@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ._utils import LAUNCH_OPTIONS, cdiv, new_output, new_output_in_rows_of, row_strides
+from ._utils import LAUNCH_OPTIONS, TunedLaunch, cdiv, new_output, new_output_in_rows_of, row_strides
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
@@ -111,6 +111,21 @@ def _scales(scale, softcap):
     if softcap:
         return float(scale) / float(softcap), float(softcap) * LOG2E
     return float(scale) * LOG2E, 0.0
+
+
+# The autotuned launches: each tuned choice, once made, launched without the autotuner (_utils.TunedLaunch).
+launch_fwd, launch_dkdv, launch_dq = (TunedLaunch(k) for k in (attention_fwd_kernel, attention_bwd_dkdv_kernel,
+                                                               attention_bwd_dq_kernel))
+
+
+def forget_tuned_choices():
+    """Drops every tuned tile choice (after changing TRANSFORMER_FAST_TILE)."""
+    for launch in (launch_fwd, launch_dkdv, launch_dq):
+        launch.forget()
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
 
 
 @functools.lru_cache(maxsize=1024)
@@ -200,14 +215,18 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                         layout)
     grid = lambda META: (max(1, cdiv(rows_per_program, META["BLOCK_M"])) * splits, heads,  # noqa: E731
                          B + (1 if packed else 0))
-    attention_fwd_kernel[grid](
+    bucket = length_bucket(rows_per_program, keys)
+    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), _dtype(sinks), bucket, sinks is not None,
+           seqused_k is not None, splits > 1, packs, *meta.values())
+    launch_fwd(
+        key, grid,
         q, k, v, out, lse, mask, pad, alibi, q if sinks is None else sinks, q if cu_seq_q is None else cu_seq_q,
         q if cu_seq_k is None else cu_seq_k, q if seqused_k is None else seqused_k,
         q if block_table is None else block_table, out_part, lse_part,
         *q_strides, *k_strides, *v_strides, *out_strides, *lse_strides, *mask_strides, *pad_strides, *alibi_strides,
         0 if block_table is None else block_table.stride(0),
         H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], splits, n_lse,
-        qk_scale, softcap2, float(dropout_p), int(seed), drop_stride, length_bucket(rows_per_program, keys), **meta,
+        qk_scale, softcap2, float(dropout_p), int(seed), drop_stride, bucket, **meta,
         HAS_SINKS=sinks is not None, HAS_SEQUSED=seqused_k is not None, SPLIT=splits > 1, PACK_GQA=packs,
         **LAUNCH_OPTIONS)
     if splits > 1:
@@ -288,10 +307,13 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
     mask, pad, alibi, cu_q, cu_k = a["masks"]
     batch = B + (1 if packed else 0)
-    attention_bwd_dkdv_kernel[lambda META: (max(1, cdiv(a["keys"], META["BLOCK_N"])), Hk, batch)](
+    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["scalars"][-1], *meta.values())
+    launch_dkdv(
+        key, lambda META: (max(1, cdiv(a["keys"], META["BLOCK_N"])), Hk, batch),
         q, k, v, dout, lse, delta, dk, dv, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s,
         *dv_s, *a["mask_strides"], *a["scalars"], **meta, **LAUNCH_OPTIONS)
-    attention_bwd_dq_kernel[lambda META: (max(1, cdiv(a["rows"], META["BLOCK_M"])), H, batch)](
+    launch_dq(
+        (*key, compute_dmask), lambda META: (max(1, cdiv(a["rows"], META["BLOCK_M"])), H, batch),
         q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s,
         *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"], *a["scalars"], **meta, STORE_DS=compute_dmask,
         **LAUNCH_OPTIONS)

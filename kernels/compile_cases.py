@@ -222,7 +222,8 @@ def _extras_cases(add, fwd, dkdv, dq):
 # --------------------------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 # --------------------------------------------------------------------------------------------
-_LAYER_NORM_FLOAT_ARGS = ("W", "B", "Mean", "Rstd", "DWPartial", "DBPartial")
+# float32 always; the other pointers (weight and bias included) take the case's dtype
+_LAYER_NORM_FLOAT_ARGS = ("Mean", "Rstd", "DWPartial", "DBPartial")
 
 
 def _layer_norm_case(fn, name, dtype, tile, flags):

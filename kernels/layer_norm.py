@@ -56,10 +56,10 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
         tl.store(Rstd + rows, rstd, mask=row_mask)
         y = xc * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=cols < N, other=0.0)
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             y = y * w[None, :]
         if HAS_BIAS:
-            b = tl.load(B + cols, mask=cols < N, other=0.0)
+            b = tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
             y = y + b[None, :]
         tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -111,9 +111,9 @@ def layer_norm_fwd_kernel(X, R, W, B, Y, H, Mean, Rstd,
                 x = tl.load(X + row * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
             y = ((x - shift) - mean) * rstd
             if HAS_WEIGHT:
-                y = y * tl.load(W + c, mask=cmask, other=0.0)
+                y = y * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                y = y + tl.load(B + c, mask=cmask, other=0.0)
+                y = y + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
             tl.store(Y + row * stride_y + c, y.to(Y.dtype.element_ty), mask=cmask)
 
 
@@ -134,7 +134,7 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
     if SINGLE_TILE:
         col_mask = cols < N
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0)
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(row_start, row_end, BLOCK_M):
@@ -185,7 +185,7 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
                 h = tl.load(Hin + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
                 xhat = tl.where(cmask, (h - mean) * rstd, 0.0)
                 if HAS_WEIGHT:
-                    g = dy * tl.load(W + c, mask=cmask, other=0.0)
+                    g = dy * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
                     dwp = DWPartial + partial_row + c
                     tl.store(dwp, tl.load(dwp, mask=cmask, other=0.0) + dy * xhat, mask=cmask)
                 else:
@@ -204,7 +204,7 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
                 h = tl.load(Hin + row * stride_h + c, mask=cmask, other=0.0).to(tl.float32)
                 xhat = (h - mean) * rstd
                 if HAS_WEIGHT:
-                    g = dy * tl.load(W + c, mask=cmask, other=0.0)
+                    g = dy * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
                 else:
                     g = dy
                 dx = g - xhat * c_gx
@@ -247,12 +247,14 @@ def _check_rows(name, t, M, N, dtype, device):
         raise ValueError(f"layer_norm: {name} must have unit stride along the row, got strides {t.stride()}")
 
 
-def _as_float_vector(name, t, N):
+def _vector(name, t, N):
+    """weight or bias as the kernels read it: N elements at unit stride, in its own dtype (the
+    kernels widen it to float32 as they load it: no conversion launched per call)."""
     if t is None:
         return None
     if tuple(t.shape) != (N,):
         raise ValueError(f"layer_norm: {name} must have shape {(N,)}, got {tuple(t.shape)}")
-    return (t if t.dtype == torch.float32 else t.to(torch.float32)).contiguous()
+    return t.contiguous()
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
@@ -264,7 +266,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
         _check_rows("residual", residual, M, N, x.dtype, x.device)
     if is_rms and bias is not None:
         raise ValueError("layer_norm: RMSNorm takes no bias")
-    w, b = _as_float_vector("weight", weight, N), _as_float_vector("bias", bias, N)
+    w, b = _vector("weight", weight, N), _vector("bias", bias, N)
     y = new_output((M, N), x.dtype, x.device)
     h = new_output((M, N), x.dtype, x.device) if residual is not None else None
     mean = None if is_rms else new_output((M,), torch.float32, x.device)
@@ -299,7 +301,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
         _check_rows("dh", dh, M, N, h.dtype, h.device)
     if not is_rms and mean is None:
         raise ValueError("layer_norm: the LayerNorm backward needs mean")
-    w = _as_float_vector("weight", weight, N)
+    w = _vector("weight", weight, N)
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"layer_norm: bias must have shape {(N,)}, got {tuple(bias.shape)}")
     rstd = rstd.contiguous()

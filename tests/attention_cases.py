@@ -238,3 +238,46 @@ def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, sc
     from transformer_fast import _explicit
 
     return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)[0]
+
+
+def record_launches(monkeypatch):
+    """Replaces the Triton attention launches with recorders: returns the list that collects the
+    kernels' names, in launch order (nothing runs)."""
+    from transformer_fast.kernels import attention as ka
+
+    launches = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):  # kernel[grid](...)
+            return lambda *args, **kwargs: launches.append(self.name)
+
+        def __call__(self, key, grid, *args, **kwargs):  # the autotuned kernels' TunedLaunch
+            launches.append(self.name)
+
+    for attr, name in (("launch_fwd", "attention_fwd_kernel"), ("attention_combine_kernel",) * 2,
+                       ("attention_bwd_preprocess_kernel",) * 2, ("launch_dkdv", "attention_bwd_dkdv_kernel"),
+                       ("launch_dq", "attention_bwd_dq_kernel")):
+        monkeypatch.setattr(ka, attr, Recorded(name))
+    return launches
+
+
+def record_launches_and_ops(monkeypatch, run):
+    """(kernel launches, torch ops) of run(kernels.attention) with the launches recorded, not run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from transformer_fast.kernels import attention as ka
+
+    launches = record_launches(monkeypatch)
+    ops = []
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with RecordOps():
+        run(ka)
+    return launches, ops

@@ -12,7 +12,8 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, differentiable_attention,
-                             kernel_attention_forward, make_qkv, random_attn_mask, random_key_padding)
+                             kernel_attention_forward, make_qkv, random_attn_mask, random_key_padding,
+                             record_launches_and_ops)
 from helpers import TRITON_TESTS, kernel_device as _device
 
 pytestmark = TRITON_TESTS
@@ -71,37 +72,6 @@ def test_unpadded_key_range_found_by_the_kernels(is_causal):
     check_attention("triton", q, k, v, key_padding_mask=pad, is_causal=is_causal)
 
 
-def _record_launches_and_ops(monkeypatch, run):
-    """(kernel launches, torch ops) of run() with the attention kernels' launches recorded, not run."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from transformer_fast.kernels import attention as ka
-
-    launches = []
-
-    class Recorded:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(self.name)
-
-    for name in ("attention_fwd_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
-                 "attention_bwd_dq_kernel"):
-        monkeypatch.setattr(ka, name, Recorded(name))
-
-    ops = []
-
-    class RecordOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with RecordOps():
-        run(ka)
-    return launches, ops
-
-
 @pytest.mark.parametrize("compute_dmask", [False, True])
 def test_launchers_run_no_torch_op_beyond_allocations(monkeypatch, compute_dmask):
     """With a key padding mask and a bool mask, the launchers allocate their outputs (the backward
@@ -113,12 +83,12 @@ def test_launchers_run_no_torch_op_beyond_allocations(monkeypatch, compute_dmask
     lse = torch.zeros(2, 2, 17)
     allowed = {"empty", "full", "zeros", "view", "detach"}  # a dtype view shows as view + detach
 
-    launches, ops = _record_launches_and_ops(
+    launches, ops = record_launches_and_ops(
         monkeypatch, lambda ka: ka.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, 5))
     assert launches == ["attention_fwd_kernel"]
     assert set(ops) <= allowed and ops.count("view") == 2, ops
 
-    launches, ops = _record_launches_and_ops(
+    launches, ops = record_launches_and_ops(
         monkeypatch, lambda ka: ka.attention_backward(q, q, k, v, q, lse, mask, pad, True, 0.25, 0.1, 5,
                                                       compute_dmask))
     assert launches == ["attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
@@ -392,8 +362,7 @@ def test_gpu_every_tile(tile, monkeypatch):
     from transformer_fast.kernels import attention as ka
 
     monkeypatch.setenv("TRANSFORMER_FAST_TILE", str(tile))
-    for kernel in (ka.attention_fwd_kernel, ka.attention_bwd_dkdv_kernel, ka.attention_bwd_dq_kernel):
-        kernel.cache.clear()  # tuned choices are cached per key: forget those of another tile
+    ka.forget_tuned_choices()  # tuned choices are kept per key: forget those of another tile
     for D in (64, 128, 256):
         q, k, v = make_qkv(2, 4, 300, 300, D, dtype=torch.float16, device="cuda")
         check_attention("triton", q, k, v)

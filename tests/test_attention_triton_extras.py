@@ -16,7 +16,8 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from attention_cases import check_attention, flash_gradients, make_qkv, random_attn_mask, random_key_padding
+from attention_cases import (check_attention, flash_gradients, make_qkv, random_attn_mask, random_key_padding,
+                             record_launches_and_ops)
 from helpers import TRITON_TESTS, assert_close_to_reference, compare_with_reference, kernel_device as _device
 
 pytestmark = TRITON_TESTS
@@ -432,44 +433,23 @@ def test_decoding_splits_chosen_automatically():
 def test_launchers_run_no_torch_op_beyond_outputs_and_scratch(monkeypatch):
     """Packed, paged and split calls allocate their outputs and the split scratch, and run no
     other torch op (no host-side bookkeeping that would wait for the device)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from transformer_fast.kernels import attention as ka
-
-    launches = []
-
-    class Recorded:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(self.name)
-
-    for name in ("attention_fwd_kernel", "attention_combine_kernel", "attention_bwd_preprocess_kernel",
-                 "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
-        monkeypatch.setattr(ka, name, Recorded(name))
-    ops = []
-
-    class RecordOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     q, k, v, cu_q, cu_k = make_packed([3, 5], [40, 9], 4, 16, Hk=2)
     pool = torch.randn(6, 8, 2, 16)
     table = torch.arange(6, dtype=torch.int32).view(2, 3)
     used = torch.tensor([20, 3], dtype=torch.int32)
     slopes, sinks, lse = torch.rand(2, 4), torch.randn(4), torch.zeros(4, 8)
-    with RecordOps():
+
+    def run(ka):
         ka.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0, (30, 0), 2.0, slopes, sinks, cu_q, cu_k, used,
-                             None, 5, 40, 3)
-        assert launches == ["attention_fwd_kernel", "attention_combine_kernel"]
+                             None, 5, 40, 3)  # split in 3: the forward and the merge
         ka.attention_forward(q, pool, pool, None, None, False, 0.25, 0.0, 0, (-1, -1), 0.0, None, None, cu_q, None,
                              used, table, 5, 24, 1)
         ka.attention_backward(q, q, k, v, q, lse, None, None, False, 0.25, 0.1, 3, False, (8, 0), 2.0, slopes, cu_q,
                               cu_k, 5, 40)
-    assert launches[2:] == ["attention_fwd_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel",
-                            "attention_bwd_dq_kernel"]
+
+    launches, ops = record_launches_and_ops(monkeypatch, run)
+    assert launches == ["attention_fwd_kernel", "attention_combine_kernel", "attention_fwd_kernel",
+                        "attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
     assert set(ops) <= {"empty", "full"}, ops
 
 

@@ -18,7 +18,8 @@
 # `python -m benchmarks.run --only gpu` is the complete run; this is its order of priority for a
 # machine lent for minutes. Logs go to $OUT (default /tmp/gpu_lease); result files to
 # $OUT/results, packed into $OUT/results.tar after each stage so that what finished comes back
-# when a later stage is cut. DEADLINE (seconds, default 570) bounds the whole call.
+# when a later stage is cut. DEADLINE (seconds, default 570) bounds the whole call; TESTS_K replaces
+# the tests stage's -k expression, HOST_ARGS adds options to the host stage.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_lease}
 DEADLINE=${DEADLINE:-570}
@@ -44,13 +45,13 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
     --out "$OUT/results" --no-progress; pack; }
 stage_tests() {
-    timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "not full_grid" -n 14 -q -rfE --tb=short \
+    timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid}" -n 14 -q -rfE --tb=short \
         -p no:cacheprovider --durations=10 >"$OUT/tests.log" 2>&1
     echo "pytest exit $?"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -40
 }
 stage_host() {
-    timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.profile_host_gpu --top 20 >"$OUT/host.log" 2>&1
+    timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.profile_host_gpu --top 20 ${HOST_ARGS:-} >"$OUT/host.log" 2>&1
     echo "profile_host_gpu exit $?"
     grep -E "^(tiny|large) " "$OUT/host.log"
 }

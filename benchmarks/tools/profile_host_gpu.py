@@ -74,6 +74,9 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--shapes", nargs="+", default=["tiny", "large"], choices=["tiny", "large"])
     p.add_argument("--no-cprofile", action="store_true", help="the per-call table only")
+    p.add_argument("--torch-profile", nargs="*", default=[], metavar="CASE",
+                   help="cases as named in the table (spaces may be written as _) to profile with "
+                        "torch.profiler by op, 50 calls each")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_host_gpu needs a CUDA GPU")
@@ -87,6 +90,17 @@ def main(argv=None):
         print(f"{name:<30} ours host {oh * 1e6:7.1f} us, with device {ot * 1e6:7.1f} us | "
               f"torch host {th * 1e6:7.1f} us, with device {tt * 1e6:7.1f} us | "
               f"host ours - torch {(oh - th) * 1e6:+6.1f} us", flush=True)
+    if args.torch_profile:  # host time by torch op (the autograd engine's device thread included)
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in args.torch_profile:
+            ours = next(fns[0] for case, fns in cases.items() if case.replace(" ", "_") == name.replace(" ", "_"))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(50):
+                    ours()
+                torch.cuda.synchronize()
+            print(f"\n== {name}: ours, 50 calls, torch.profiler by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.no_cprofile:
         return
     for name, (ours, _theirs) in cases.items():  # warmed up above
