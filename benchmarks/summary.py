@@ -41,6 +41,13 @@ OTHER_RECORDS = {
                                                  "and sm_90: registers and spills",
     "compile-check-layer-norm-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with weight and bias read in "
                                                "their own dtype, compiled for sm_80 and sm_90: registers and spills",
+    "cuda-h200-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H200 before and after the direct launch of "
+                                          "tuned choices: each run's summary, the one failure and its cause",
+    "cuda-h200-host-2026-11-26.txt": "host time per call on an H200's machine, ours and torch's, before and after the "
+                                     "direct launch of tuned choices, with where the time goes (cProfile, "
+                                     "torch.profiler)",
+    "cuda-h200-attention-kernels-2026-11-26.txt": "device time per kernel of one attention forward+backward on an "
+                                                  "H200, ours against torch's SDPA (cuDNN attention)",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"
                                                          "tiles_gpu.py): the source of the bf16/fp16 backward tables",

@@ -165,16 +165,20 @@ def _models_rows(entry, prefix):
             return f"; {sdpa / ours:.2f}x" if sdpa and ours else ""
         def interval(x):
             return f" [{x['ratio_low']:.2f}, {x['ratio_high']:.2f}]" if x.get("ratio_low") is not None else ""
-        shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x{interval(x)} "
-                           f"({100 * (x['share_attention'] or 0) + 100 * (x['share_norms'] or 0):.0f}%{pieces(x)})"
-                           for x in same)
+        def share(x):
+            if x.get("share_attention") is None:
+                return ""
+            return f" ({100 * x['share_attention'] + 100 * (x['share_norms'] or 0):.0f}%{pieces(x)})"
+        shapes = ", ".join(f"{x['batch']} x {x['length']}: {x['ratio']:.2f}x{interval(x)}{share(x)}" for x in same)
+        has_share = any(share(x) for x in same)
         has_pieces = any(pieces(x) for x in same)
         has_interval = any(interval(x) for x in same)
         rows.append([f"{r['model']} {r['case']} against the same model on `sdpa`, {r['precision']} ({r['size']}; "
                      f"`{entry['data']['preset']}` sizes): per batch x length, the ratio"
-                     + (" [its 95% interval]" if has_interval else "") + " (the share of attention + "
-                     f"norms in the sdpa model's time" + ("; their time in sdpa's model over ours" if has_pieces else "")
-                     + ")", shapes, _day(entry["created"]), _link(entry["file"], prefix)])
+                     + (" [its 95% interval]" if has_interval else "")
+                     + (" (the share of attention + norms in the sdpa model's time"
+                        + ("; their time in sdpa's model over ours" if has_pieces else "") + ")" if has_share else ""),
+                     shapes, _day(entry["created"]), _link(entry["file"], prefix)])
     return rows
 
 
@@ -192,16 +196,19 @@ def _sweep_rows(entry, prefix, cpu):
         for p, name in (("fwd", "forward"), ("fwd+bwd", "forward+backward")):
             ratios = [v for c in ("non-causal", "causal") for v in _ours(entry, "attention", "ours_softmax",
                                                                           f"{c}, {p}").values()]
-            rows.append([f"softmax attention {name} against `F.sdpa`'s own backend choice, {shape}, "
-                         f"N = {s['seq_lens'][0]}-{s['seq_lens'][-1]}", _range(ratios), when, link])
+            if ratios:
+                rows.append([f"softmax attention {name} against `F.sdpa`'s own backend choice, {shape}, "
+                             f"N = {s['seq_lens'][0]}-{s['seq_lens'][-1]}", _range(ratios), when, link])
         for c in ("non-causal", "causal"):
             ratios = [v for p in ("fwd", "fwd+bwd") for v in _ours(entry, "attention", "ours_linear", f"{c}, {p}").values()]
-            rows.append([f"linear attention, {c}, {shape}, N = {s['seq_lens'][0]}-{s['seq_lens'][-1]}",
-                         _range(ratios) + " a cumulative-sum PyTorch linear attention", when, link])
+            if ratios:
+                rows.append([f"linear attention, {c}, {shape}, N = {s['seq_lens'][0]}-{s['seq_lens'][-1]}",
+                             _range(ratios) + " a cumulative-sum PyTorch linear attention", when, link])
         ratios = [v for p in ("fwd", "fwd+bwd") for v in _ours(entry, "layer_norm", "ours", f"+ residual, {p}").values()]
-        rows.append([f"fused residual + LayerNorm, {s['batch']} x N rows of {s['ln_width']}, N = "
-                     f"{s['seq_lens'][0]}-{s['seq_lens'][-1]}, forward and forward+backward",
-                     _range(ratios) + " `x + r` then `F.layer_norm`", when, link])
+        if ratios:
+            rows.append([f"fused residual + LayerNorm, {s['batch']} x N rows of {s['ln_width']}, N = "
+                         f"{s['seq_lens'][0]}-{s['seq_lens'][-1]}, forward and forward+backward",
+                         _range(ratios) + " `x + r` then `F.layer_norm`", when, link])
     crossings = {(c["causal"], c["pass"]): c for c in entry["data"].get("crossovers", [])
                  if c["softmax"] == "ours_softmax" and c["pass"] == "fwd" and c.get("seq_len")}
     if crossings:
@@ -224,12 +231,15 @@ def _gpu_grid_rows(newest_first, prefix, against):
     grid = summary.latest_gpu_grid_rows(newest_first)
     files = {r["file"]: r for r in grid}
     rates = {e["file"]: e["data"]["matmul_flops_per_s"] for e in newest_first}
-    for passes, dtypes, what in (("fwd", ("bfloat16", "float16"), "forward, bf16 and fp16"),
-                                 ("fwd+bwd", ("bfloat16",), "forward+backward, bf16"),
-                                 ("fwd+bwd", ("float16",), "forward+backward, fp16")):
+    short = {"bfloat16": "bf16", "float16": "fp16"}
+    for passes, dtypes, what in (("fwd", ("bfloat16", "float16"), "forward"),
+                                 ("fwd+bwd", ("bfloat16",), "forward+backward"),
+                                 ("fwd+bwd", ("float16",), "forward+backward")):
         got = [r for r in grid if r["passes"] == passes and r["dtype"] in dtypes]
         if not got:
             continue
+        dtypes = [d for d in dtypes if any(r["dtype"] == d for r in got)]
+        what += ", " + " and ".join(short[d] for d in dtypes)
         used = sorted({r["file"] for r in got})
         rate = " / ".join(_range([rates[f][d] / 1e12 for f in used if d in rates[f]], "{:.0f}", "") for d in dtypes)
         rows.append([f"softmax attention {what}, D = {'/'.join(map(str, sorted({r['D'] for r in got})))}, "
@@ -254,6 +264,8 @@ def _gpu_rows(latest, prefix, name):
                      _link(entry["file"], prefix)])
     for entry in latest.get((name, "sweep", ""), [])[:1]:
         rows += [r[:2] + ["-"] + r[2:] for r in _sweep_rows(entry, prefix, cpu=False)]
+    for entry in latest.get((name, "models", ""), [])[:1]:
+        rows += [r[:2] + ["-"] + r[2:] for r in _models_rows(entry, prefix)]
     return rows
 
 
