@@ -1,6 +1,7 @@
 """Small helpers shared by the Triton launchers."""
 import inspect
 import os
+import threading
 
 import torch
 
@@ -77,7 +78,7 @@ class TunedLaunch:
 
     Triton's autotuner builds its own key on every call, looking at each argument for a dtype
     (about 70 arguments for the attention kernels): on an H200's host that took more time than the
-    launch that follows (benchmarks/results/cuda-nvidia-h200-host-*.txt). Here the first call for
+    launch that follows (benchmarks/results/cuda-h200-host-2026-11-26.txt). Here the first call for
     a key goes through the autotuner (which times the candidates or reads its disk cache), and
     later calls launch the jit function with the chosen config, as the autotuner itself does.
     `key` must determine the autotuner's key (its values and the tensors' dtypes); a finer key only
@@ -87,12 +88,14 @@ class TunedLaunch:
     def __init__(self, autotuned):
         self.autotuned = autotuned
         self.chosen = {}
+        self._choosing = threading.Lock()  # best_config is the autotuner's last choice, of any thread's call
 
     def __call__(self, key, grid, *args, **kwargs):
         config = self.chosen.get(key)
         if config is None:
-            self.autotuned[grid](*args, **kwargs)
-            self.chosen[key] = self.autotuned.best_config.all_kwargs()
+            with self._choosing:
+                self.autotuned[grid](*args, **kwargs)
+                self.chosen[key] = self.autotuned.best_config.all_kwargs()
         else:
             self.autotuned.fn.run(*args, grid=grid, warmup=False, **kwargs, **config)
 

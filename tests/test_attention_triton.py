@@ -305,6 +305,29 @@ def _tile_of(config):
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
+def test_tuned_choices_launch_without_the_autotuner(monkeypatch):
+    """The autotuner runs once per key (kernels/_utils.TunedLaunch); later calls with that key
+    launch its choice directly, with the same result; forgetting the choices asks it again."""
+    from transformer_fast.kernels import attention as ka
+
+    ka.forget_tuned_choices()
+    asked = []
+    autotuner = ka.launch_fwd.autotuned
+    real_run = autotuner.run
+    monkeypatch.setattr(autotuner, "run", lambda *args, **kwargs: (asked.append(1), real_run(*args, **kwargs))[1])
+    q, k, v = make_qkv(1, 2, 17, 17, 16, device=_device())
+    first = tf.scaled_dot_product_attention(q, k, v, backend="triton")
+    second = tf.scaled_dot_product_attention(q, k, v, backend="triton")
+    assert len(asked) == 1 and len(ka.launch_fwd.chosen) == 1
+    assert torch.equal(first, second)
+    tf.scaled_dot_product_attention(q, k, v, is_causal=True, backend="triton")  # another key
+    assert len(asked) == 2 and len(ka.launch_fwd.chosen) == 2
+    ka.forget_tuned_choices()
+    tf.scaled_dot_product_attention(q, k, v, backend="triton")
+    assert len(asked) == 3 and len(ka.launch_fwd.chosen) == 1
+    check_attention("triton", q, k, v)  # a direct launch against float64 (forward and backward)
+
+
 def test_forced_tile_selects_one_candidate(monkeypatch):
     """TRANSFORMER_FAST_TILE=i leaves the autotuner the i-th candidate of the table (mod its
     length); unset, every candidate for the head dim."""
