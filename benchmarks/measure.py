@@ -283,6 +283,9 @@ def versions():
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.environ.get("TRANSFORMER_FAST_GIT_COMMIT"):  # a copy of the tree whose .git is not its own
+        out["git_commit"] = os.environ["TRANSFORMER_FAST_GIT_COMMIT"]
+        return out
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,

@@ -15,7 +15,7 @@ SUITE_TEXT = {
     "target_cpu_layer_norm": "CPU LayerNorm target",
     "target_cpu_linear_attention": "CPU linear attention target",
     "linear_state": "causal linear attention prefill with a carried state against without one",
-    "target_gpu_attention": "GPU attention against torch's FlashAttention backend",
+    "target_gpu_attention": "GPU attention against torch's SDPA (flash pinned, or as it chooses: vs default)",
     "gpu": "gpu suite: install check and gpu tests",
     "varlen": "CPU attention on packed sequences, a sliding window and a decoding step",
     "host": "host cost per call of each public function, one thread, tiny tensors",

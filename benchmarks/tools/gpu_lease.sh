@@ -19,7 +19,9 @@
 # machine lent for minutes. Logs go to $OUT (default /tmp/gpu_lease); result files to
 # $OUT/results, packed into $OUT/results.tar after each stage so that what finished comes back
 # when a later stage is cut. DEADLINE (seconds, default 570) bounds the whole call; TESTS_K replaces
-# the tests stage's -k expression, HOST_ARGS adds options to the host stage.
+# the tests stage's -k expression, HOST_ARGS adds options to the host stage. Where the tree was
+# copied without its own .git (a lent machine), set TRANSFORMER_FAST_GIT_COMMIT to the commit it
+# holds, for the result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_lease}
 DEADLINE=${DEADLINE:-570}
