@@ -216,8 +216,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     grid = lambda META: (max(1, cdiv(rows_per_program, META["BLOCK_M"])) * splits, heads,  # noqa: E731
                          B + (1 if packed else 0))
     bucket = length_bucket(rows_per_program, keys)
-    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), _dtype(sinks), bucket, sinks is not None,
-           seqused_k is not None, splits > 1, packs, *meta.values())
+    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), _dtype(sinks), bucket, seqused_k is not None,
+           splits > 1, packs, *meta.values())
     launch_fwd(
         key, grid,
         q, k, v, out, lse, mask, pad, alibi, q if sinks is None else sinks, q if cu_seq_q is None else cu_seq_q,
@@ -263,11 +263,12 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
     qk_scale, softcap2 = _scales(scale, softcap)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window, softcap, alibi_slopes,
                         1 if packed else 0)
-    return dict(packed=packed, B=B, H=H, Hk=Hk, n_q=n_q, n_k=n_k, rows=rows, keys=keys, strides=strides,
+    bucket = length_bucket(rows, keys)
+    return dict(packed=packed, B=B, H=H, Hk=Hk, n_q=n_q, n_k=n_k, rows=rows, keys=keys, bucket=bucket, strides=strides,
                 masks=(mask, pad, alibi, q if cu_seq_q is None else cu_seq_q, q if cu_seq_k is None else cu_seq_k),
                 mask_strides=(*mask_strides, *pad_strides, *alibi_strides),
                 scalars=(H, H // Hk, n_q, n_k, B, window[0], window[1], qk_scale, softcap2, float(scale),
-                         float(dropout_p), int(seed), keys if packed else n_k, length_bucket(rows, keys)),
+                         float(dropout_p), int(seed), keys if packed else n_k, bucket),
                 meta=meta)
 
 
@@ -307,7 +308,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
     mask, pad, alibi, cu_q, cu_k = a["masks"]
     batch = B + (1 if packed else 0)
-    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["scalars"][-1], *meta.values())
+    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())
     launch_dkdv(
         key, lambda META: (max(1, cdiv(a["keys"], META["BLOCK_N"])), Hk, batch),
         q, k, v, dout, lse, delta, dk, dv, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s,
