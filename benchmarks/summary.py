@@ -39,6 +39,9 @@ OTHER_RECORDS = {
     "compile-check-float-mask-2026-11-26.txt": "the Triton attention kernels with a float attn_mask (float32 with a bf16 "
                                                  "query included; finfo.min kept finite), compiled for sm_80 "
                                                  "and sm_90: registers and spills",
+    "compile-check-attention-2026-11-26.txt": "the Triton attention kernels with dQ's sum of P * dP for the sinks' "
+                                              "gradient, compiled for sm_80 and sm_90: registers and spills of every "
+                                              "config (`compile_check --only attention`)",
     "compile-check-layer-norm-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with weight and bias read in "
                                                "their own dtype, compiled for sm_80 and sm_90: registers and spills",
     "cuda-h200-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H200 before and after the direct launch of "

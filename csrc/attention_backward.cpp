@@ -2,7 +2,7 @@
 // (batch, key head, range of key blocks). Each task owns the dK, dV of its key blocks (summed over
 // the group's query heads, GQA) and accumulates dQ into its own fp32 slice; the slices of the
 // key-block ranges are summed in a fixed order afterwards, so the result does not depend on
-// scheduling.
+// scheduling. The rows' sum_j P_ij dP_ij (compute_delta) is accumulated the same way.
 
 #include "cpu_capability.h"  // first: selects at::vec's ISA
 
@@ -46,7 +46,7 @@ struct KeyTask {
 template <typename scalar_t>
 void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq,
-                          at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask) {
+                          at::Tensor& dk, at::Tensor& dv, at::Tensor& dmask, at::Tensor& row_delta) {
   const Blocks blk = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n;
   const Padding padding = padding_of(p);
@@ -102,6 +102,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   }
   at::Tensor dq_acc = at::zeros({n_slices, lse_rows, D}, q.options().dtype(at::kFloat));
   float* dq_acc_data = dq_acc.data_ptr<float>();
+  // sum_j P_ij dP_ij from the fp32 P and dP of the tiles (compute_delta), by slice as dQ is.
+  const bool want_delta = row_delta.defined();
+  at::Tensor pdp_acc = want_delta ? at::zeros({n_slices, lse_rows}, q.options().dtype(at::kFloat)) : at::Tensor();
+  float* pdp_acc_data = want_delta ? pdp_acc.data_ptr<float>() : nullptr;
   // dS out, (B, H, Nq, Nk) contiguous and zero-filled: the tiles skipped below have dS = 0.
   // In q's dtype, or float32 with a float32 mask (new_dmask): one of the two pointers is set.
   scalar_t* ds_data = dmask.defined() && !p.mask_is_float32 ? dmask.data_ptr<scalar_t>() : nullptr;
@@ -151,6 +155,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
       const HeadRows<const scalar_t> krows = ko.at(b, hk), vrows = vo.at(b, hk);
       const int64_t ksn = krows.stride, vsn = vrows.stride;
       float* dq_slice = dq_acc_data + task.slice * lse_rows * D;
+      float* pdp_slice = want_delta ? pdp_acc_data + task.slice * lse_rows : nullptr;
       for (int64_t n = task.n_begin; n < task.n_end; ++n) {
         const int64_t j0 = n * BN, bn = std::min(BN, nk - j0);
         const scalar_t* kb = krows.row(j0);
@@ -192,8 +197,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                                                            softcap ? tanh_tile.data() : nullptr);
             // An unmasked tile without dropout uses all its keys: P and dS are then made in one
             // pass after the dP product. Otherwise P comes first, to find the keys in use; so it
-            // does where the row's keys fit this one tile, whose P and dP then give delta.
-            const bool fused = !masked && !p.dropout.active() && !delta_from_p;
+            // does where the row's keys fit this one tile, whose P and dP then give delta, and
+            // where the rows' sum_j P_ij dP_ij is wanted.
+            const bool fused = !masked && !p.dropout.active() && !delta_from_p && !want_delta;
             UsedKeys used{0, bn, false};
             if (!fused) {
               if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
@@ -227,7 +233,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if (fused) {
                 p_and_ds(s, dp, bn, s_scale, lse_t[r], delta_t[r]);
               } else {
-                ds_from_dp(s, dp, bn, delta_from_p ? delta_from_tile(s, dp, bn) : delta_t[r]);  // dP -> dS
+                const float pdp = delta_from_p || want_delta ? delta_from_tile(s, dp, bn) : 0.f;
+                if (want_delta) pdp_slice[row0 + r] += pdp;
+                ds_from_dp(s, dp, bn, delta_from_p ? pdp : delta_t[r]);  // dP -> dS
               }
               if (ds_data != nullptr) convert_row(dp, ds_data + (row0 + r) * p.Nk + j0, bn);
               if (ds_f32 != nullptr) convert_row(dp, ds_f32 + (row0 + r) * p.Nk + j0, bn);
@@ -317,6 +325,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
       convert_row(sum.data(), dq_data + dst, D);
     }
   });
+  if (want_delta) row_delta.view({lse_rows}).copy_(pdp_acc.sum(0));
 }
 
 }  // namespace
@@ -325,13 +334,13 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 // Empty problems (B, H, Nq or Nk = 0) give zero gradients and a zero dmask. A head dim of 0 goes
 // through the kernel: D = 0 leaves dq and dk empty; Dv = 0 makes dP = dO V^T = 0, so dS, dq and dk
 // are 0. Packed key rows after the last sequence belong to none: their gradients are 0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
+    int64_t max_k, bool compute_delta) {
   const char* fn = "attention_backward";
   const AttentionExtras x = make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k,
                                         std::nullopt, std::nullopt, max_q, max_k, 0);
@@ -354,11 +363,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, cp.v.options());
   // The kernels skip key blocks that are all padded or outside every row's band.
   at::Tensor dmask = compute_dmask ? new_dmask(p, cp.q) : at::Tensor();
+  at::Tensor row_delta = compute_delta ? at::empty(cp.lse_sizes(), lse.options()) : at::Tensor();
   if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv, dmask};
+    if (compute_delta) row_delta.zero_();
+    return {dq, dk, dv, dmask, row_delta};
   }
   if (p.packed()) {
     const int64_t end = p.cu_seq_k[p.B];
@@ -366,24 +377,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     dv.narrow(0, end, dv.size(0) - end).zero_();
   }
   cpu_attention::dispatch_dtype(fn, cp.q.scalar_type(), [&](auto tag) {
-    cpu_attention::attention_bwd_kernel<decltype(tag)>(p, dout, cp.q, cp.k, cp.v, out, lse, dq, dk, dv, dmask);
+    cpu_attention::attention_bwd_kernel<decltype(tag)>(p, dout, cp.q, cp.k, cp.v, out, lse, dq, dk, dv, dmask,
+                                                       row_delta);
   });
-  return {dq, dk, dv, dmask};
+  return {dq, dk, dv, dmask, row_delta};
 }
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
-  auto [dq, dk, dv, dmask] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
-                                                scale, dropout_p, seed, compute_dmask, window, softcap, alibi_slopes,
-                                                cu_seq_q, cu_seq_k, max_q, max_k);
-  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // an op returns no None
+    int64_t max_k, bool compute_delta) {
+  auto [dq, dk, dv, dmask, delta] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
+                                                       is_causal, scale, dropout_p, seed, compute_dmask, window,
+                                                       softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
+                                                       compute_delta);
+  // an op returns no None
+  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), delta.defined() ? delta : q.new_empty({0})};
 }
 
 }  // namespace

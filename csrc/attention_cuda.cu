@@ -82,33 +82,40 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
                                  dropout_p, seed, attention_fwd_cuda);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+// compute_delta serves the sinks' gradient, and these kernels take no sinks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
+    int64_t max_k, bool compute_delta) {
   check_dense_only(make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k, std::nullopt,
                                std::nullopt, max_q, max_k, 0),
                    "attention_backward");
-  return attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask, key_padding_mask,
-                                  is_causal, scale, dropout_p, seed, compute_dmask, attention_bwd_cuda);
+  TORCH_CHECK_NOT_IMPLEMENTED(!compute_delta, "attention_backward: the C++ CUDA kernels do not compute delta (it "
+                              "serves attention sinks, which need the Triton kernels: install Triton)");
+  auto [dq, dk, dv, dmask] = attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask,
+                                                      key_padding_mask, is_causal, scale, dropout_p, seed,
+                                                      compute_dmask, attention_bwd_cuda);
+  return {dq, dk, dv, dmask, at::Tensor()};
 }
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
-  auto [dq, dk, dv, dmask] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal,
-                                                     scale, dropout_p, seed, compute_dmask, window, softcap,
-                                                     alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k);
-  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0})};  // an op returns no None
+    int64_t max_k, bool compute_delta) {
+  auto [dq, dk, dv, dmask, delta] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
+                                                            is_causal, scale, dropout_p, seed, compute_dmask, window,
+                                                            softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
+                                                            compute_delta);
+  // an op returns no None
+  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), q.new_empty({0})};
 }
 
 }  // namespace

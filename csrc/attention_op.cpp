@@ -1,5 +1,5 @@
 // Softmax attention's dispatcher layer: the autograd node of attention_forward (its backward is the
-// attention_backward op; the sinks' gradient is formed here from the saved statistics) and the
+// attention_backward op; the sinks' gradient is formed here from lse and the op's delta) and the
 // autocast kernels of both kernel ops. The public ops' checks are in attention_args.cpp.
 #include "autograd_node.h"
 #include "op_utils.h"
@@ -14,10 +14,10 @@ using AttentionForwardSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool, double, double,
     int64_t, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t);
-using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, bool, double, double, int64_t, bool, at::IntArrayRef, double,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t);
+    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool);
 using AttentionBackwardCompositeSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
     bool, double, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
@@ -28,13 +28,12 @@ TRANSFORMER_FAST_OP(attention_backward_composite, AttentionBackwardCompositeSig)
 namespace {
 
 // d loss / d sinks[h] = -sum over the rows of head h of P_sink * delta, with P_sink = exp(sinks[h] -
-// lse) each row's sink probability and delta = dO . O (the kernels' delta): the sink takes
-// probability from every key in proportion, and has no value. (H,), in lse's dtype.
-at::Tensor sinks_gradient(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
-                          const at::Tensor& sinks, bool packed) {
-  // delta and P_sink per row: dense (B, H, Nq); packed (H, Tq) (out is (Tq, H, Dv)).
-  at::Tensor delta = (dout.to(lse.scalar_type()) * out.to(lse.scalar_type())).sum(-1);
-  if (packed) delta = delta.t();
+// lse) each row's sink probability and delta = sum_j P_ij dP_ij: the sink takes probability from
+// every key in proportion, and has no value. delta is the backward op's (compute_delta), summed from
+// the kernels' fp32 P and dP: dO . O (its value in exact arithmetic) would carry O's rounding to
+// the query's dtype, and P's before P @ V, into every row of the sum. lse-shaped rows: dense
+// (B, H, Nq), packed (H, Tq). (H,), in lse's dtype.
+at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks, bool packed) {
   const at::Tensor sink = packed ? sinks.unsqueeze(1) : sinks.view({1, -1, 1});
   const at::Tensor weighted = at::exp(sink - lse) * delta;
   return packed ? -weighted.sum(1) : -weighted.sum(at::IntArrayRef{0, 2});
@@ -75,10 +74,11 @@ struct AttentionBackward : public torch::autograd::Node {
           dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window, softcap, alibi_slopes, sinks,
           cu_seq_q, cu_seq_k);
     } else {
-      std::tie(result[0], result[1], result[2], dmask) = attention_backward_op().call(
+      at::Tensor delta;
+      std::tie(result[0], result[1], result[2], dmask, delta) = attention_backward_op().call(
           dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, mask_grad, window,
-          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k);
-      if (sinks_grad) dsinks = sinks_gradient(dout, out, lse, *sinks, cu_seq_q.has_value());
+          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, sinks_grad);
+      if (sinks_grad) dsinks = sinks_gradient(delta, lse, *sinks, cu_seq_q.has_value());
     }
     if (mask_grad) result[3] = dmask;  // autograd sums dS over the mask's broadcast dims
     if (sinks_grad) result[4] = dsinks;
@@ -156,34 +156,34 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
                                      num_splits);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autocast(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autocast(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
+    int64_t max_k, bool compute_delta) {
   const auto no_autocast = autocast_off();
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k);
+                                      cu_seq_k, max_q, max_k, compute_delta);
 }
 
 // The backward op is never differentiated itself (second derivatives go through
 // attention_backward_composite): its autograd kernel steps below autograd, and refuses inputs that would
 // need a graph rather than return a result without one.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k) {
+    int64_t max_k, bool compute_delta) {
   TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask),
                               "transformer_fast::attention_backward is not differentiable; differentiate the "
                               "forward op with create_graph=True instead");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k);
+                                      cu_seq_k, max_q, max_k, compute_delta);
 }
 
 }  // namespace

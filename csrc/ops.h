@@ -36,15 +36,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table, int64_t max_q,
     int64_t max_k, int64_t num_splits);
 
-// dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an undefined tensor (None) unless
-// compute_dmask.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
+// (dq, dk, dv, dmask, delta). dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an
+// undefined tensor (None) unless compute_dmask; delta (sum_j P_ij dP_ij per row, float32 in lse's
+// shape) unless compute_delta.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window,
     double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k);
+    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta);
 
 // ---- LayerNorm / RMSNorm (layer_norm.cpp); absent optional results are undefined tensors (None) ----
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(

@@ -274,7 +274,7 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0):
+                       max_q=0, max_k=0, compute_delta=False):
     Dv = v.shape[-1]
     if Dv > 1 and dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -306,6 +306,9 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
     dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
+    # sum_j P_ij dP_ij per row; packed rows after the last sequence get no program
+    pdp = (torch.zeros if packed else torch.empty)(delta.shape, dtype=torch.float32, device=q.device) \
+        if compute_delta else None
     mask, pad, alibi, cu_q, cu_k = a["masks"]
     batch = B + (1 if packed else 0)
     key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())
@@ -314,8 +317,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         q, k, v, dout, lse, delta, dk, dv, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s,
         *dv_s, *a["mask_strides"], *a["scalars"], **meta, **LAUNCH_OPTIONS)
     launch_dq(
-        (*key, compute_dmask), lambda META: (max(1, cdiv(a["rows"], META["BLOCK_M"])), H, batch),
-        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s,
-        *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"], *a["scalars"], **meta, STORE_DS=compute_dmask,
-        **LAUNCH_OPTIONS)
-    return dq, dk, dv, dmask
+        (*key, compute_dmask, compute_delta), lambda META: (max(1, cdiv(a["rows"], META["BLOCK_M"])), H, batch),
+        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, delta if pdp is None else pdp, mask, pad,
+        alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"], *a["scalars"], **meta,
+        STORE_DS=compute_dmask, STORE_PDP=compute_delta, **LAUNCH_OPTIONS)
+    return dq, dk, dv, dmask, pdp

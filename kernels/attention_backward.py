@@ -3,7 +3,8 @@ batches and packed sequences: a preprocess computing delta = rowsum(dO * O); one
 block accumulating dK and dV over the query blocks that may see it (and over the query heads
 sharing its key head under GQA, so no atomics anywhere); one program per query block
 accumulating dQ over the key blocks it may see and, for a float mask that requires grad
-(STORE_DS), writing the score gradient dS.
+(STORE_DS), writing the score gradient dS; for the sinks' gradient (STORE_PDP), also each row's
+sum_j P_ij dP_ij from the fp32 P and dP.
 
 Grids: dK/dV (key blocks, key heads, batch [+ 1 packed]), dQ (query blocks, query heads, batch
 [+ 1 packed]); the extra column of a packed layout zeroes the gradient rows after the last
@@ -226,17 +227,19 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn, stride_vn,
+def _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn, stride_vn,
              mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift, win_left, win_right, slope2,
              qk_scale, softcap2, seed, drop_offset, drop_stride, dropout_p, ds_base,
              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
              HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, CHECK: tl.constexpr, WINDOW_LEFT: tl.constexpr,
              WINDOW_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, STORE_DS: tl.constexpr):
+             DOT_PRECISION: tl.constexpr, STORE_DS: tl.constexpr, STORE_PDP: tl.constexpr):
     """dQ of the query block at start_m += the contribution of key tile [start_n, start_n +
     BLOCK_N) (CHECK: the tile may hold keys outside a row's band or the sequence). With STORE_DS,
-    also writes the tile's dS to the (BLOCK_M, Nk) rows of this head's dS at ds_base (dense)."""
+    also writes the tile's dS to the (BLOCK_M, Nk) rows of this head's dS at ds_base (dense); with
+    STORE_PDP, pdp += the rows' sum of P * dP over the tile (P = 0 where a key is not allowed, and
+    such keys' V loads as 0)."""
     mi = tl.arange(0, BLOCK_M)[:, None]
     qi = start_m + mi
     nj = tl.arange(0, BLOCK_N)
@@ -258,6 +261,8 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stri
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, drop_offset + start_n, mi, nj[None, :], drop_stride, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    if STORE_PDP:
+        pdp += tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
     if STORE_DS:  # 0 where P = 0: padded keys' V loads as 0, so dP is finite there
         tl.store(ds_base + n64 + (mi * n_k + nj[None, :]), ds.to(ds_base.dtype.element_ty),
@@ -265,13 +270,13 @@ def _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stri
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
+    return dq, pdp
 
 
 @autotune(dq_configs(), DQ_TUNE_KEY, pruner(DQ_TILES_LOWP, DQ_TILES_FP32))
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dq_kernel(
-        Q, K, V, DOut, Lse, Delta, DQ, DS, Mask, Pad, Alibi, CuQ, CuK,
+        Q, K, V, DOut, Lse, Delta, DQ, DS, PdP, Mask, Pad, Alibi, CuQ, CuK,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqm,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn, stride_alb, stride_alh,
@@ -281,10 +286,10 @@ def attention_bwd_dq_kernel(
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, LAYOUT: tl.constexpr, STORE_DS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        STORE_PDP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of a query block (DQ's strides count rows of HEAD_D elements); with STORE_DS (dense only)
     also dS into DS, (B, H, Nq, Nk) contiguous and zero-filled (the key tiles skipped here have
-    dS = 0)."""
+    dS = 0); with STORE_PDP, sum_j P_ij dP_ij into PdP (float32, laid out as Lse)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -327,31 +332,35 @@ def attention_bwd_dq_kernel(
     drop_offset = lse_row0 * drop_stride
     shift = n_k - n_q
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     lo, a, bb, hi = _key_tiles(pad_base, stride_padn, start_m, tl.minimum(start_m + BLOCK_M, n_q) - 1, n_k, shift,
                                win_left, win_right, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_PAD)
     for start_n in tl.range(a, bb, BLOCK_N):  # inside every row's band
-        dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn, stride_vn,
-                      mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift, win_left, win_right,
-                      slope2, qk_scale, softcap2, seed, drop_offset, drop_stride, dropout_p, ds_base, HEAD_D, HEAD_DV,
-                      BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_PAD, HAS_DROPOUT, False,
-                      WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STORE_DS)
+        dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
+                           stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift,
+                           win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride,
+                           dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                           MASK_KIND, HAS_PAD, HAS_DROPOUT, False, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                           DOT_PRECISION, STORE_DS, STORE_PDP)
     if WINDOW_LEFT:  # checked: [lo, a) and [bb, hi)
         for t in tl.range(0, _masked_count(lo, a, bb, hi, BLOCK_N)):
-            dq = _dq_tile(dq, q, do, lse2, delta, start_m, _masked_tile(t, lo, a, bb, BLOCK_N), n_q, k_base,
-                          v_base, stride_kn, stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn,
-                          n_k, shift, win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride,
-                          dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                          MASK_KIND, HAS_PAD, HAS_DROPOUT, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION, STORE_DS)
+            dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, _masked_tile(t, lo, a, bb, BLOCK_N), n_q,
+                               k_base, v_base, stride_kn, stride_vn, mask_base, stride_maskm, stride_maskn, pad_base,
+                               stride_padn, n_k, shift, win_left, win_right, slope2, qk_scale, softcap2, seed,
+                               drop_offset, drop_stride, dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
+                               BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_PAD, HAS_DROPOUT, True, WINDOW_LEFT,
+                               WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STORE_DS, STORE_PDP)
     else:  # checked: [bb, hi)
         for start_n in tl.range(bb, hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
-                          stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift,
-                          win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride, dropout_p,
-                          ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND,
-                          HAS_PAD, HAS_DROPOUT, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                          DOT_PRECISION, STORE_DS)
+            dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
+                               stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift,
+                               win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride,
+                               dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                               MASK_KIND, HAS_PAD, HAS_DROPOUT, True, WINDOW_LEFT, WINDOW_RIGHT, HAS_SOFTCAP,
+                               HAS_ALIBI, DOT_PRECISION, STORE_DS, STORE_PDP)
     _store_rows(DQ + (b64 * stride_dqb + h64 * stride_dqh + m64 * stride_dqm) * HEAD_D, rows * stride_dqm * HEAD_D,
                 row_ok, offs_d,
                 (dq * scale).to(DQ.dtype.element_ty), HEAD_D, BLOCK_D)
+    if STORE_PDP:
+        tl.store(PdP + lse_row0 + rows, pdp, mask=row_ok)

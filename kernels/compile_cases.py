@@ -64,7 +64,7 @@ def _divisibility(fn, head_d, head_dv):
 # half-precision query), p padding, r dropout, s dS out,
 # L/R window left/right, t softcap, a ALiBi, k sinks, P packed, G paged, u seqused_k, S split,
 # g GQA heads packed in a program's rows, h outputs laid out (B, N, H, D).
-_LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("L", "window_left"),
+_LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("d", "store_pdp"), ("L", "window_left"),
             ("R", "window_right"), ("t", "softcap"), ("a", "alibi"), ("k", "sinks"), ("u", "seqused"),
             ("S", "split"), ("g", "pack_gqa"), ("h", "heads_inside_rows"))
 
@@ -75,7 +75,7 @@ def attention_cases():
     mask with odd head dims, and the backward preprocess; then the contract's extras on the
     first tile of a class (and on every tile of the decoding and packed-training mixes at head
     dim 128): windows, soft-capping, ALiBi, sinks, packed and paged layouts, seqused_k, the
-    Flash-Decoding split with GQA heads packed, and the split's merge. Forward fp16/bf16 cases
+    Flash-Decoding split with GQA heads packed, the split's merge, and dQ's sum of P * dP. Forward fp16/bf16 cases
     must use wgmma on sm_90."""
     cases = []
 
@@ -84,7 +84,7 @@ def attention_cases():
         t = "*" + _TYPE[dtype]
         mask_type = {0: t, 1: "*u8", 2: "*fp32" if flags.get("mask_fp32") else t}[mask_kind]
         pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
-        pointers.update(Lse="*fp32", Delta="*fp32", Mask=mask_type, Pad="*u8" if flags.get("pad") else t,
+        pointers.update(Lse="*fp32", Delta="*fp32", PdP="*fp32", Mask=mask_type, Pad="*u8" if flags.get("pad") else t,
                         Alibi="*fp32" if flags.get("alibi") else t, Sinks="*fp32" if flags.get("sinks") else t,
                         CuQ="*i32" if layout else t, CuK="*i32" if layout == 1 else t,
                         SeqUsed="*i32" if flags.get("seqused") or layout == 2 else t,
@@ -97,7 +97,8 @@ def attention_cases():
                           IS_CAUSAL=bool(flags.get("causal")), MASK_KIND=mask_kind, HAS_PAD=bool(flags.get("pad")),
                           HAS_DROPOUT=bool(flags.get("dropout")),
                           DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                          STORE_DS=bool(flags.get("store_ds")), WINDOW_LEFT=bool(flags.get("window_left")),
+                          STORE_DS=bool(flags.get("store_ds")), STORE_PDP=bool(flags.get("store_pdp")),
+                          WINDOW_LEFT=bool(flags.get("window_left")),
                           WINDOW_RIGHT=bool(flags.get("window_right")), HAS_SOFTCAP=bool(flags.get("softcap")),
                           HAS_ALIBI=bool(flags.get("alibi")), HAS_SINKS=bool(flags.get("sinks")), LAYOUT=layout,
                           HAS_SEQUSED=bool(flags.get("seqused")), SPLIT=bool(flags.get("split")),
@@ -217,6 +218,12 @@ def _extras_cases(add, fwd, dkdv, dq):
     # dS out with soft-capping (the factor is taken after the store)
     add(dq[0], dq[1], torch.bfloat16, 64, 64, dq[2][64][0], mask_kind=2, softcap=True, alibi=True, store_ds=True,
         window_left=True, window_right=True)
+    # the rows' sum of P * dP (the sinks' gradient): packed causal window training, as gpt-oss trains,
+    # on every head-dim-128 tile; dense with padding and dropout; fp32
+    for tile in dq[2][128]:
+        add(dq[0], dq[1], torch.bfloat16, 128, 128, tile, store_pdp=True, **_TRAINING_MIXES[1])
+    add(dq[0], dq[1], torch.float16, 64, 64, dq[2][64][0], pad=True, dropout=True, store_pdp=True)
+    add(dq[0], dq[1], torch.float32, 64, 64, dq[3][64][0], causal=True, window_left=True, store_pdp=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -92,13 +92,14 @@ def check_float32_mask(attention, dtype, what, shape=(2, 4, 2, 17, 40, 24)):
     near 2000, where the spacing of bf16 is 16 and of fp16 1: rounded to the query's dtype they would
     change every softmax by O(1) (the check asserts that, so it can fail). Output and the four
     gradients against the float64 reference, within 2x the error of torch's own SDPA on the same
-    inputs (which keeps the mask in float32). shape: (B, H, Hk, Nq, Nk, D)."""
+    inputs (which keeps the mask in float32) or, for the gradients, of FlashAttention's equations
+    (flash_gradients, whose dS the kernels compute). shape: (B, H, Hk, Nq, Nk, D)."""
     torch.manual_seed(3)
     B, H, Hk, Nq, Nk, D = shape
     qkv = make_qkv(B, H, Nq, Nk, D, Hk=Hk, dtype=dtype)
     mask = 2000 + 3 * torch.rand(H, Nq, Nk)
     mask[:, :, 5] = float("-inf")
-    dout = torch.randn(B, H, Nq, D, dtype=torch.float64)
+    dout = torch.randn(B, H, Nq, D, dtype=torch.float64).to(dtype).double()  # as the kernels receive it
 
     def run(fn, dtype, mask):
         inputs = [t.detach().to(dtype).requires_grad_() for t in qkv] + [mask.detach().clone().requires_grad_()]
@@ -106,10 +107,13 @@ def check_float32_mask(attention, dtype, what, shape=(2, 4, 2, 17, 40, 24)):
         return [out, *torch.autograd.grad(out, inputs, dout.to(out.dtype))]
 
     expected = run(F.scaled_dot_product_attention, torch.float64, mask.double())
-    torch_lowp = run(F.scaled_dot_product_attention, dtype, mask)
+    references = [[r] for r in run(F.scaled_dot_product_attention, dtype, mask)]
+    flash = flash_gradients(*qkv, dout.to(dtype), attn_mask=mask, score_gradient=True)
+    for alternatives, g in zip(references[1:], (*flash[:3], flash[3].sum(0))):  # the mask is shared by the batch
+        alternatives.append(g)
     ours = run(attention, dtype, mask)
     assert ours[4].dtype == torch.float32 and ours[4].shape == mask.shape
-    for name, a, b, c in zip(("output", "dq", "dk", "dv", "dmask"), ours, expected, torch_lowp):
+    for name, a, b, c in zip(("output", "dq", "dk", "dv", "dmask"), ours, expected, references):
         assert_close_to_reference(a, b, c, what=f"{what} float32 mask: {name}")
     rounded = run(attention, dtype, mask.to(dtype))[0]
     assert max_error(rounded, expected[0]) > 10 * max_error(ours[0], expected[0])
@@ -124,7 +128,7 @@ def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.
     """Only dV of attention(q, k, v, enable_gqa=True, key_padding_mask=...) (fp32 inputs) against the
     float64 reference, with `factor` times the reference's error (autograd's or flash_gradients',
     the larger) as the bound and no absolute slack, for tests that pin dV's precision."""
-    dout = torch.randn(*q.shape[:3], v.shape[3], dtype=torch.float64)
+    dout = torch.randn(*q.shape[:3], v.shape[3], dtype=torch.float64).float().double()  # as the kernel receives it
 
     def dv(fn, dtype):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -142,15 +146,18 @@ def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.
 
 
 def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                    scale=None, window_size=None, softcap=None, alibi_slopes=None):
-    """dq, dk, dv (and dsinks, where sinks are given) by FlashAttention-2's backward equations,
+                    scale=None, window_size=None, softcap=None, alibi_slopes=None, score_gradient=False):
+    """dq, dk, dv (then dsinks, where sinks are given, and the float32 score gradient dS (B, H, Nq,
+    Nk), the gradient of a float mask, with score_gradient) by FlashAttention-2's backward equations,
     unfused, with fp32 arithmetic on the inputs' values: P = exp(S - lse), dS = P * (dP - delta)
     with delta = rowsum(dO * O) taken from O as stored (in the inputs' dtype), through the
     soft-capping's tanh. The kernels use this delta, as FlashAttention-2 does, and it carries an
     error that autograd's delta = rowsum(P * dP) does not: where one key takes all of a row's
     probability, autograd's dS cancels to exactly 0 and this one is off by a rounding of |dO| |O|;
     with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels both show
-    it.) So its error, too, counts as the reference's error in the inputs' dtype."""
+    it.) So its error, too, counts as the reference's error in the inputs' dtype. dsinks sums
+    P_sink * delta over every row, which would add those roundings up: the kernels (and this)
+    take it from rowsum(P * dP) instead."""
     dtype = q.dtype
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -181,7 +188,9 @@ def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_ma
     grads = [dq.to(dtype), dk.to(dtype), dv.to(dtype)]
     if sinks is not None:
         p_sink = torch.exp(sinks.detach().float()[None, :, None, None] - lse)
-        grads.append(-(p_sink * delta).sum(dim=(0, 2, 3)).to(sinks.dtype))
+        grads.append(-(p_sink * (p * dp).sum(dim=-1, keepdim=True)).sum(dim=(0, 2, 3)).to(sinks.dtype))
+    if score_gradient:
+        grads.append(p * (dp - delta))
     return tuple(grads)
 
 
@@ -224,7 +233,8 @@ def kernel_attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, sc
 
 def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                               backend, compute_dmask=False):
-    """The attention_backward op of ``backend``, called directly: (dq, dk, dv, dmask or empty)."""
+    """The attention_backward op of ``backend``, called directly: (dq, dk, dv, dmask or empty,
+    delta (empty))."""
     from transformer_fast._device_kernels import op_kernel
 
     return op_kernel("attention_backward", backend, q.device.type)(dout, q, k, v, out, lse, attn_mask,

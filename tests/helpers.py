@@ -65,7 +65,11 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, grad_inputs=(), *, w
     out_lp = reference_fn(*args_lp)
     assert_close_to_reference(out_k, out_64, out_lp, what=f"{what} output", factor=factor, atol=atol)
     if grad_inputs:
-        dout = torch.randn_like(out_64)
+        # The upstream gradient as the kernel receives it (in its output's dtype), for every run:
+        # the float64 reference then differentiates exactly the kernel's inputs. Drawn in float64
+        # and rounded only for the kernel, its rounding would be an error every low-precision
+        # result shares, and one that the plain-torch result's own error can cancel by chance.
+        dout = torch.randn_like(out_64).to(out_k.dtype).to(torch.float64)
         g_k = torch.autograd.grad(out_k, [args_k[i] for i in grad_inputs], dout.to(out_k.dtype))
         g_64 = torch.autograd.grad(out_64, [args_64[i] for i in grad_inputs], dout)
         g_lp = torch.autograd.grad(out_lp, [args_lp[i] for i in grad_inputs], dout.to(out_lp.dtype))

@@ -521,7 +521,7 @@ class _CppAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, pad, out, lse = ctx.saved_tensors
-        dq, dk, dv, dmask = _build.extension().attention_backward(
+        dq, dk, dv, dmask, _ = _build.extension().attention_backward(
             dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, 0, ctx.needs_input_grad[3])
         return dq, dk, dv, dmask, None, None
 
@@ -540,15 +540,16 @@ def test_cpp_entry_points_empty_problems(B, H, Hk, Nq, Nk, dtype):
     assert out.shape == (B, H, Nq, 24) and out.dtype == dtype and (out == 0).all()
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and (lse == float("inf")).all()
     for compute_dmask in (False, True):
-        *grads, dmask = C.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25, 0.1,
-                                             0, compute_dmask)
+        *grads, dmask, delta = C.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25,
+                                                    0.1, 0, compute_dmask, compute_delta=compute_dmask)
         for grad, t in zip(grads, (q, k, v)):
             assert grad.shape == t.shape and grad.dtype == dtype and (grad == 0).all()
             assert grad.stride() == result_strides(t, t.shape[-1])
         if compute_dmask:
             assert dmask.shape == (B, H, Nq, Nk) and dmask.dtype == dtype and (dmask == 0).all()
+            assert delta.shape == (B, H, Nq) and delta.dtype == torch.float32 and (delta == 0).all()
         else:
-            assert dmask is None
+            assert dmask is None and delta is None
 
 
 @pytest.mark.parametrize("D,Dv", [(0, 24), (16, 0), (0, 0)])

@@ -116,6 +116,69 @@ def test_float64_and_gradcheck():
     assert torch.autograd.gradgradcheck(attention, (q, k, v, sinks))
 
 
+def _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=None, window=None):
+    """sum_j P_ij dP_ij per row in float64 (dense (B, H, N, D) inputs; P from the float64 scores
+    and their log-sum-exp with the sinks), and sum_j |P_ij dP_ij|, the scale of its rounding."""
+    B, H, Nq, _ = q.shape
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    k, v = (t.repeat_interleave(H // k.shape[1], 1) for t in (k, v))
+    s = softcap * torch.tanh(q @ k.transpose(-2, -1) * scale / softcap)
+    s = s + reference.attention_bias(Nq, k.shape[2], batch=B, heads=H, key_padding_mask=key_padding_mask,
+                                     window_size=window, dtype=torch.float64, device=q.device)
+    with_sink = torch.cat([s, sinks.double()[None, :, None, None].expand(B, H, Nq, 1)], -1)
+    p_dp = torch.exp(s - torch.logsumexp(with_sink, -1, keepdim=True)) * (dout @ v.transpose(-2, -1))
+    return p_dp.sum(-1), p_dp.abs().sum(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_backward_delta_is_the_rows_sum_of_p_dp(backend, packed):
+    """The backward op's delta (compute_delta), from which the sinks' gradient is formed, is
+    sum_j P_ij dP_ij to float32 accuracy: the kernels sum it from their fp32 P and dP. dO . O, its
+    value in exact arithmetic, misses it by O's rounding to the query's dtype (asserted, so the
+    check can fail), and the sinks' gradient would add that up over every row."""
+    from transformer_fast._device_kernels import op_kernel
+
+    dtype, device = LOW_PRECISION[backend], _device()
+    torch.manual_seed(0)
+    H, Hk, D, window, softcap = 4, 2, 24, (6, 0), 5.0
+    scale = D ** -0.5
+    sinks = torch.randn(H, device=device) * 2
+    forward, backward = (op_kernel(f"attention_{x}", backend, device) for x in ("forward", "backward"))
+    if packed:
+        lengths_q, lengths_k = [5, 0, 12], [9, 3, 20]
+        q, k, v = (torch.randn(sum(n), h, D, device=device).to(dtype)
+                   for n, h in ((lengths_q, H), (lengths_k, Hk), (lengths_k, Hk)))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                      for n in (lengths_q, lengths_k))
+        shape = (window, softcap, None)
+        seqs = dict(cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max(lengths_q), max_k=max(lengths_k))
+        out, lse = forward(q, k, v, None, None, False, scale, 0.0, 0, *shape, sinks, **seqs)
+        dout = torch.randn_like(out)
+        *_, delta = backward(dout, q, k, v, out, lse, None, None, False, scale, 0.0, 0, False, *shape, **seqs,
+                             compute_delta=True)
+        expected, magnitude = (torch.zeros(H, q.shape[0], dtype=torch.float64, device=device) for _ in range(2))
+        for b in range(len(lengths_q)):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            rows = _rows_p_dp(*(t[r].transpose(0, 1)[None] for t, r in ((q, rq), (k, rk), (v, rk), (dout, rq))),
+                              sinks, scale, softcap, window=window)
+            expected[:, rq], magnitude[:, rq] = rows[0][0], rows[1][0]
+        o_delta = (dout.double() * out.double()).sum(-1).t()
+    else:
+        q, k, v = make_qkv(2, H, 17, 40, D, Hk=Hk, dtype=dtype, device=device)
+        pad = random_key_padding(2, 40, device=device)
+        out, lse = forward(q, k, v, None, pad, False, scale, 0.0, 0, window, softcap, None, sinks)
+        dout = torch.randn_like(out)
+        *_, delta = backward(dout, q, k, v, out, lse, None, pad, False, scale, 0.0, 0, False, window, softcap,
+                             compute_delta=True)
+        expected, magnitude = _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=pad, window=window)
+        o_delta = (dout.double() * out.double()).sum(-1)
+    assert delta.shape == lse.shape and delta.dtype == lse.dtype
+    assert ((delta.double() - expected).abs() <= 1e-4 * magnitude).all()
+    if dtype != torch.float32:  # dO . O fails the same bound
+        assert ((o_delta - expected).abs() > 1e-4 * magnitude).any()
+
+
 def test_sinks_gradient_in_the_sinks_dtype():
     q, k, v = make_qkv(1, 2, 5, 7, 8, dtype=torch.bfloat16)
     sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)

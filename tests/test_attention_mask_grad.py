@@ -140,7 +140,7 @@ def test_kernel_writes_ds(backend, dropout_p):
     args = (mask, pad, is_causal, scale, dropout_p, seed, backend)
     out, lse = kernel_attention_forward(q, k, v, *args)
     dout = torch.randn_like(out)
-    dq, dk, dv, dmask = kernel_attention_backward(dout, q, k, v, out, lse, *args, True)
+    dq, dk, dv, dmask, _ = kernel_attention_backward(dout, q, k, v, out, lse, *args, True)
     keep = None
     if dropout_p > 0:
         keep, allowed = _keep_mask(backend, B, H, Hk, Nq, Nk, pad, is_causal, scale, dropout_p, seed)

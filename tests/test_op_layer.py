@@ -72,6 +72,8 @@ def _op_cases():
                                                              torch.rand(3, 4), None, cu_q, cu_k, None, None, 5, 4)),
         "attention_backward extras": (ops.attention_backward, (dout, qs, ks, vs, out_x, lse_x, None, pad, False, 0.3,
                                                                0.0, 0, False, *extras)),
+        "attention_backward delta": (ops.attention_backward, (dout, qs, ks, vs, out_x, lse_x, None, pad, False, 0.3,
+                                                              0.0, 0, False, *extras), {"compute_delta": True}),
         "attention_forward dropout": (ops.attention_forward, (q, k, v, None, None, False, 0.3, 0.25, 7)),
         "attention_backward": (ops.attention_backward, (dout, qs, ks, vs, out, lse, mask, pad, True, 0.3, 0.0, 0, True)),
         "attention_backward_composite": (ops.attention_backward_composite, (dout, qs, ks, vs, mask, pad, True, 0.3)),
@@ -288,13 +290,13 @@ def test_results_are_laid_out_as_torch_lays_out_attention_results(backend, layou
         assert out.stride() == F.scaled_dot_product_attention(q, k, v).stride()
     if layout != "bhnd":  # the model's view back to (B, N, H * D) shares out's memory
         assert out.transpose(1, 2).reshape(2, 40, 64).data_ptr() == out.data_ptr()
-    dq, dk, dv, _ = backward(torch.randn_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False)
+    dq, dk, dv, _, _ = backward(torch.randn_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False)
     for grad, t in ((dq, q), (dk, k), (dv, v)):
         assert grad.stride() == result_strides(t, 16), (grad.stride(), t.stride())
 
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
     pq, pk, pv = (t[0].transpose(0, 1) for t in (q, k, v))  # (40, 4, 16) token-major views
     out, lse = forward(pq, pk, pv, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
-    dq, dk, dv, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, 0, False,
+    dq, dk, dv, _, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, 0, False,
                              cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
     assert all(t.is_contiguous() for t in (out, dq, dk, dv))

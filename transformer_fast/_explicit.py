@@ -75,20 +75,21 @@ class Attention(torch.autograd.Function):
                                                                       is_causal, scale, sinks=sinks, **shape, **packed)
         else:
             with autocast_off():
-                dq, dk, dv, dmask = _kernel("attention_backward", backend, q)(
+                dq, dk, dv, dmask, delta = _kernel("attention_backward", backend, q)(
                     dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                    mask_grad, max_q=extras.get("max_q", 0), max_k=extras.get("max_k", 0), **shape, **packed)
+                    mask_grad, max_q=extras.get("max_q", 0), max_k=extras.get("max_k", 0), compute_delta=sinks_grad,
+                    **shape, **packed)
                 if sinks_grad:
-                    dsinks = sinks_gradient(dout, out, lse, sinks, packed["cu_seq_q"] is not None)
+                    dsinks = sinks_gradient(delta, lse, sinks, packed["cu_seq_q"] is not None)
         return (None, dq, dk, dv, dmask if mask_grad else None, None, dsinks if sinks_grad else None, None, None,
                 None, None, None)
 
 
-def sinks_gradient(dout, out, lse, sinks, packed):
-    """d loss / d sinks (csrc/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * dO . O."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+def sinks_gradient(delta, lse, sinks, packed):
+    """d loss / d sinks (csrc/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * delta,
+    delta = sum_j P_ij dP_ij from the backward kernel (lse-shaped: (B, H, Nq), packed (H, Tq))."""
     if packed:
-        return -(torch.exp(sinks[:, None] - lse) * delta.t()).sum(1)
+        return -(torch.exp(sinks[:, None] - lse) * delta).sum(1)
     return -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2))
 
 

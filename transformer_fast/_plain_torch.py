@@ -161,19 +161,22 @@ def _sum_groups(t, heads):
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0):
+                       max_q=0, max_k=0, compute_delta=False):
     if cu_seq_q is not None:
         dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are
+        delta = lse.new_zeros(lse.shape) if compute_delta else None  # rows after the last sequence: 0
         for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,
                                                                alibi_slopes):
             dob = dout[rows_q].transpose(0, 1)[None]
             lb = lse[:, rows_q][None]
             g = attention_backward(dob, qb, kb, vb, None, lb, None, None, False, scale, dropout_p, seed + b, False,
-                                   window, softcap, slopes)
+                                   window, softcap, slopes, compute_delta=compute_delta)
             dq[rows_q] = g[0][0].transpose(0, 1)
             dk[rows_k] = g[1][0].transpose(0, 1)
             dv[rows_k] = g[2][0].transpose(0, 1)
-        return dq, dk, dv, None
+            if compute_delta:
+                delta[:, rows_q] = g[4][0]
+        return dq, dk, dv, None, delta
     c = _compute_dtype(q)
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
@@ -187,13 +190,15 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     k_full, v_full = kc.repeat_interleave(H // Hk, dim=1), vc.repeat_interleave(H // Hk, dim=1)
     dv = _sum_groups((probs * keep).transpose(-2, -1) @ doutc, Hk)
     dprobs = (doutc @ v_full.transpose(-2, -1)) * keep
-    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True))
+    delta = (dprobs * probs).sum(-1)
+    dscores = probs * (dprobs - delta[..., None])
     dmask = dscores.to(dmask_dtype(attn_mask, q)) if compute_dmask else None
     if raw is not None:  # through softcap * tanh(raw / softcap)
         dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
     dq = dscores @ k_full * scale
     dk = _sum_groups(dscores.transpose(-2, -1) @ qc * scale, Hk)
-    return in_rows_of(q, dq.to(q.dtype)), in_rows_of(k, dk.to(k.dtype)), in_rows_of(v, dv.to(v.dtype)), dmask
+    return (in_rows_of(q, dq.to(q.dtype)), in_rows_of(k, dk.to(k.dtype)), in_rows_of(v, dv.to(v.dtype)), dmask,
+            delta.to(lse.dtype) if compute_delta else None)
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):

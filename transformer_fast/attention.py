@@ -10,7 +10,8 @@ The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`
         -> (out, lse)
     attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                        dropout_p, seed, compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0) -> (dq, dk, dv, dmask)
+                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False)
+        -> (dq, dk, dv, dmask, delta)
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
 (B, H, Nq, Dv) in q's dtype, laid out in q's row order as torch's attention lays out its output
@@ -49,8 +50,12 @@ dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) c
 float mask's dtype (q's, or float32), the gradient of the final scores (so of an additive float
 mask), with the forward's dropout: 0 for disallowed pairs, padded keys and rows with no allowed
 key. The backward needs no sinks (lse includes them); the sinks' gradient,
--sum_i exp(sinks[h] - lse_i) * (dO_i . O_i), is formed by the autograd formula
-(csrc/attention_op.cpp). seqused_k and block_table are inference-only, as in torch's varlen_attn.
+-sum_i exp(sinks[h] - lse_i) * delta_i, is formed by the autograd formula (csrc/attention_op.cpp)
+from delta, which is empty unless compute_delta: then delta_i = sum_j p_ij dP_ij (dP = dO V^T, with
+the forward's dropout) in lse's shape and dtype, summed from the kernels' unrounded P and dP. (Its
+value in exact arithmetic is dO_i . O_i, the delta of FlashAttention's dS; with O in bf16/fp16 that
+product carries O's rounding, and the sum over every row of a head adds it up.) seqused_k and
+block_table are inference-only, as in torch's varlen_attn.
 """
 from __future__ import annotations
 
@@ -86,10 +91,12 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
 
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
-      window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
+      window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0,
+      compute_delta=False):
     dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(attn_mask, q)) if compute_dmask else q.new_empty(0)
+    delta = lse.new_empty(lse.shape) if compute_delta else q.new_empty(0)
     return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
-            dmask)
+            dmask, delta)
 
 
 # --------------------------------------------------------------------------------------------
