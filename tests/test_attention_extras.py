@@ -179,6 +179,27 @@ def test_backward_delta_is_the_rows_sum_of_p_dp(backend, packed):
         assert ((o_delta - expected).abs() > 1e-4 * magnitude).any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_gradient_with_dropout(backend):
+    """With dropout, the rows' sum of P * dP takes dP through the forward's keep mask, as O is made:
+    in float32 the sinks' gradient is -sum_i P_sink,i dO_i . O_i (equal in exact arithmetic) with
+    the O that call produced, and far from the sum without the keep mask."""
+    device = _device()
+    q, k, v = make_qkv(2, 4, 17, 40, 16, Hk=2, device=device)
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    out = tf.scaled_dot_product_attention(q, k, v, dropout_p=0.3, sinks=sinks, enable_gqa=True, backend=backend)
+    dout = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, sinks, dout)
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) * 16 ** -0.5
+    lse = torch.logsumexp(torch.cat([s, sinks.double()[None, :, None, None].expand(2, 4, 17, 1)], -1), -1)
+    p_sink = torch.exp(sinks.double()[None, :, None] - lse)
+    expected = -(p_sink * (dout.double() * out.double()).sum(-1)).sum((0, 2))
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-4, atol=1e-5)
+    p_dp = (torch.exp(s - lse[..., None]) * (dout.double() @ v.double().repeat_interleave(2, 1).transpose(-2, -1)))
+    without_keep_mask = -(p_sink * p_dp.sum(-1)).sum((0, 2))
+    assert (without_keep_mask - expected).abs().max() > 100 * (grad.double() - expected).abs().max()
+
+
 def test_sinks_gradient_in_the_sinks_dtype():
     q, k, v = make_qkv(1, 2, 5, 7, 8, dtype=torch.bfloat16)
     sinks = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
