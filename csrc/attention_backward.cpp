@@ -325,7 +325,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
       convert_row(sum.data(), dq_data + dst, D);
     }
   });
-  if (want_delta) row_delta.view({lse_rows}).copy_(pdp_acc.sum(0));
+  if (want_delta) at::sum_out(row_delta.view({lse_rows}), pdp_acc, 0);
 }
 
 }  // namespace
@@ -363,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   at::Tensor dv = new_output_in_rows_of(v_in, p.Dv, cp.v.options());
   // The kernels skip key blocks that are all padded or outside every row's band.
   at::Tensor dmask = compute_dmask ? new_dmask(p, cp.q) : at::Tensor();
-  at::Tensor row_delta = compute_delta ? at::empty(cp.lse_sizes(), lse.options()) : at::Tensor();
+  at::Tensor row_delta = compute_delta ? new_output(cp.lse_sizes(), lse.options()) : at::Tensor();
   if (p.Nq == 0 || p.Nk == 0 || p.B * p.H == 0) {
     dq.zero_();
     dk.zero_();

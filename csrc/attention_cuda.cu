@@ -115,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                                                             softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
                                                             compute_delta);
   // an op returns no None
-  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), q.new_empty({0})};
+  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), delta.defined() ? delta : q.new_empty({0})};
 }
 
 }  // namespace

@@ -306,9 +306,11 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
     dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
-    # sum_j P_ij dP_ij per row; packed rows after the last sequence get no program
-    pdp = (torch.zeros if packed else torch.empty)(delta.shape, dtype=torch.float32, device=q.device) \
-        if compute_delta else None
+    # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
+    pdp = None
+    if compute_delta:
+        pdp = torch.zeros(delta.shape, dtype=torch.float32, device=q.device) if packed else \
+            new_output(delta.shape, torch.float32, q.device)
     mask, pad, alibi, cu_q, cu_k = a["masks"]
     batch = B + (1 if packed else 0)
     key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())

@@ -75,8 +75,8 @@ def attention_cases():
     mask with odd head dims, and the backward preprocess; then the contract's extras on the
     first tile of a class (and on every tile of the decoding and packed-training mixes at head
     dim 128): windows, soft-capping, ALiBi, sinks, packed and paged layouts, seqused_k, the
-    Flash-Decoding split with GQA heads packed, the split's merge, and dQ's sum of P * dP. Forward fp16/bf16 cases
-    must use wgmma on sm_90."""
+    Flash-Decoding split with GQA heads packed, the split's merge, and dQ's sum of P * dP.
+    Forward fp16/bf16 cases must use wgmma on sm_90."""
     cases = []
 
     def add(kernel, name, dtype, head_d, head_dv, tile, *, mask_kind=0, layout=0, expect_wgmma=False, **flags):
@@ -84,7 +84,8 @@ def attention_cases():
         t = "*" + _TYPE[dtype]
         mask_type = {0: t, 1: "*u8", 2: "*fp32" if flags.get("mask_fp32") else t}[mask_kind]
         pointers = {n: t for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV", "DS")}
-        pointers.update(Lse="*fp32", Delta="*fp32", PdP="*fp32", Mask=mask_type, Pad="*u8" if flags.get("pad") else t,
+        pointers.update(Lse="*fp32", Delta="*fp32", PdP="*fp32", Mask=mask_type,
+                        Pad="*u8" if flags.get("pad") else t,
                         Alibi="*fp32" if flags.get("alibi") else t, Sinks="*fp32" if flags.get("sinks") else t,
                         CuQ="*i32" if layout else t, CuK="*i32" if layout == 1 else t,
                         SeqUsed="*i32" if flags.get("seqused") or layout == 2 else t,

@@ -116,18 +116,20 @@ def test_float64_and_gradcheck():
     assert torch.autograd.gradgradcheck(attention, (q, k, v, sinks))
 
 
-def _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=None, window=None):
+def _rows_p_dp(q, k, v, dout, sinks, scale, softcap=None, key_padding_mask=None, window=None):
     """sum_j P_ij dP_ij per row in float64 (dense (B, H, N, D) inputs; P from the float64 scores
-    and their log-sum-exp with the sinks), and sum_j |P_ij dP_ij|, the scale of its rounding."""
+    and their log-sum-exp with the sinks, no dropout), sum_j |P_ij dP_ij| (the scale of its
+    rounding), and the rows' log-sum-exp."""
     B, H, Nq, _ = q.shape
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
     k, v = (t.repeat_interleave(H // k.shape[1], 1) for t in (k, v))
-    s = softcap * torch.tanh(q @ k.transpose(-2, -1) * scale / softcap)
+    s = q @ k.transpose(-2, -1) * scale
+    s = s if softcap is None else softcap * torch.tanh(s / softcap)
     s = s + reference.attention_bias(Nq, k.shape[2], batch=B, heads=H, key_padding_mask=key_padding_mask,
                                      window_size=window, dtype=torch.float64, device=q.device)
-    with_sink = torch.cat([s, sinks.double()[None, :, None, None].expand(B, H, Nq, 1)], -1)
-    p_dp = torch.exp(s - torch.logsumexp(with_sink, -1, keepdim=True)) * (dout @ v.transpose(-2, -1))
-    return p_dp.sum(-1), p_dp.abs().sum(-1)
+    lse = torch.logsumexp(torch.cat([s, sinks.double()[None, :, None, None].expand(B, H, Nq, 1)], -1), -1)
+    p_dp = torch.exp(s - lse[..., None]) * (dout @ v.transpose(-2, -1))
+    return p_dp.sum(-1), p_dp.abs().sum(-1), lse
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -171,7 +173,8 @@ def test_backward_delta_is_the_rows_sum_of_p_dp(backend, packed):
         dout = torch.randn_like(out)
         *_, delta = backward(dout, q, k, v, out, lse, None, pad, False, scale, 0.0, 0, False, window, softcap,
                              compute_delta=True)
-        expected, magnitude = _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=pad, window=window)
+        expected, magnitude, _ = _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=pad,
+                                            window=window)
         o_delta = (dout.double() * out.double()).sum(-1)
     assert delta.shape == lse.shape and delta.dtype == lse.dtype
     assert ((delta.double() - expected).abs() <= 1e-4 * magnitude).all()
@@ -190,13 +193,11 @@ def test_sinks_gradient_with_dropout(backend):
     out = tf.scaled_dot_product_attention(q, k, v, dropout_p=0.3, sinks=sinks, enable_gqa=True, backend=backend)
     dout = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, sinks, dout)
-    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) * 16 ** -0.5
-    lse = torch.logsumexp(torch.cat([s, sinks.double()[None, :, None, None].expand(2, 4, 17, 1)], -1), -1)
+    p_dp, _, lse = _rows_p_dp(q, k, v, dout, sinks.detach(), 16 ** -0.5)
     p_sink = torch.exp(sinks.double()[None, :, None] - lse)
     expected = -(p_sink * (dout.double() * out.double()).sum(-1)).sum((0, 2))
     torch.testing.assert_close(grad.double(), expected, rtol=1e-4, atol=1e-5)
-    p_dp = (torch.exp(s - lse[..., None]) * (dout.double() @ v.double().repeat_interleave(2, 1).transpose(-2, -1)))
-    without_keep_mask = -(p_sink * p_dp.sum(-1)).sum((0, 2))
+    without_keep_mask = -(p_sink * p_dp).sum((0, 2))
     assert (without_keep_mask - expected).abs().max() > 100 * (grad.double() - expected).abs().max()
 
 
