@@ -325,7 +325,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
       convert_row(sum.data(), dq_data + dst, D);
     }
   });
-  if (want_delta) at::sum_out(row_delta.view({lse_rows}), pdp_acc, 0);
+  if (want_delta) {
+    at::Tensor delta_rows = row_delta.view({lse_rows});  // sum_out writes through an lvalue
+    at::sum_out(delta_rows, pdp_acc, 0);
+  }
 }
 
 }  // namespace

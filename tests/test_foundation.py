@@ -49,6 +49,19 @@ def test_non_editable_install_has_no_top_level_kernels(tmp_path):
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
+def test_loaded_extension_is_newer_than_its_sources(tmp_path):
+    """The ops under test are the code in csrc/: an in-place build not redone after an edit would
+    test the old code (the JIT build is rebuilt by ninja, so it passes by construction)."""
+    from transformer_fast import _build
+
+    assert _build.sources_newer_than(tf._C.__file__) == []
+    # and the check can fail: a binary older than every source
+    old_binary = tmp_path / "_C.so"
+    old_binary.write_bytes(b"")
+    os.utime(old_binary, (0, 0))
+    assert "schemas.cpp" in _build.sources_newer_than(str(old_binary))
+
+
 def test_available_backends_reports_reasons():
     backends = tf.available_backends()
     assert set(backends) == {"triton", "cpp", "reference"}

@@ -67,6 +67,25 @@ def _jit_build_variant(csrc, cuda):
     )
 
 
+def sources_newer_than(binary):
+    """The C++ sources of this tree changed after ``binary`` was built (an in-place build not redone
+    after an edit: the ops would be the old code). Empty where the sources are not shipped."""
+    csrc = _csrc_dir()
+    if csrc is None:
+        return []
+    built = os.path.getmtime(binary)
+    names = [n for n in os.listdir(csrc) if n.endswith((".cpp", ".h", ".cu", ".cuh"))]
+    return sorted(n for n in names if os.path.getmtime(os.path.join(csrc, n)) > built)
+
+
+def _warn_if_older_than_sources(binary):
+    newer = sources_newer_than(binary)
+    if newer:
+        warnings.warn(f"transformer_fast: the prebuilt C++ extension {binary} is older than csrc/{', csrc/'.join(newer)}; "
+                      f"rebuild it (python setup.py build_ext --inplace) or the ops run the old code", RuntimeWarning,
+                      stacklevel=4)
+
+
 @functools.lru_cache(maxsize=None)
 def load():
     """(module, None), or (None, the reason it cannot be loaded). Loaded once: a second
@@ -74,6 +93,7 @@ def load():
     try:
         from . import _C  # built by setup.py
 
+        _warn_if_older_than_sources(_C.__file__)
         return _C, None
     except ImportError as exc:
         prebuilt_error = exc
