@@ -202,8 +202,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     splits = plan_splits(int(num_splits), B * heads * max(1, cdiv(rows_per_program, 64)),
                          _window_keys(window, rows, keys), q.device, dropout_p)
     if splits > 1:
-        out_part = torch.empty((splits, n_lse, Dv), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((splits, n_lse), dtype=torch.float32, device=q.device)
+        out_part = torch.empty(splits, n_lse, Dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits, n_lse, dtype=torch.float32, device=q.device)
     else:
         out_part, lse_part = out, lse
     _check_batch(B + (1 if packed else 0))
@@ -288,7 +288,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     # the strides of out and the gradients count rows of their head dims
     if packed:
         out = out.contiguous()
-        delta = torch.empty((H, n_q), dtype=torch.float32, device=q.device)
+        delta = torch.empty(H, n_q, dtype=torch.float32, device=q.device)
         out_strides = (0, 1, H)
         dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
         dq_s, dk_s, dv_s = (0, 1, H), (0, 1, Hk), (0, 1, Hk)
@@ -297,7 +297,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         if out_strides is None:
             out = out.contiguous()
             out_strides = row_strides(out)
-        delta = torch.empty((B, H, n_q), dtype=torch.float32, device=q.device)
+        delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
         (dq, dq_s), (dk, dk_s), (dv, dv_s) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
     attention_bwd_preprocess_kernel[(cdiv(n_q, pre_block), H, 1 if packed else B)](
@@ -305,7 +305,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         **LAUNCH_OPTIONS)
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
-    dmask = torch.zeros((B, H, n_q, n_k), dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
+    dmask = torch.zeros(B, H, n_q, n_k, dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
     # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
     pdp = None
     if compute_delta:
