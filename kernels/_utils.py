@@ -127,6 +127,19 @@ def forced_tile_index():
         raise ValueError(f"TRANSFORMER_FAST_TILE must be a tile index (an integer), got {value!r}") from None
 
 
+_SM_COUNTS = {}
+
+
+def sm_count(device):
+    """The number of SMs (streaming multiprocessors) of the CUDA `device`, read once per device
+    (torch.cuda.get_device_properties costs microseconds a call, and launchers ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints (triton.cdiv's constexpr wrapper costs ~5 us a call, as below)."""
     return -(-a // b)

@@ -13,10 +13,10 @@ the query heads of a GQA group into its rows (`pack_gqa`).
 import functools
 import math
 
-import torch
 import triton
 import triton.language as tl
 
+from . import _utils
 from ._utils import cdiv, interpreting
 from .attention_forward import _fwd_store
 
@@ -70,18 +70,11 @@ def combine_launch_shape(block_dv):
     return (16 if block_dv <= 128 else 8), 4
 
 
-_SM_COUNTS = {}
-
-
 def sm_count(device):
-    """The number of SMs (streaming multiprocessors) of `device`, read once per device."""
+    """The number of SMs of `device` (INTERPRETER_SMS under the interpreter)."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SM_COUNTS.get(index)
-    if count is None:
-        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+    return _utils.sm_count(device)
 
 
 def pack_gqa(group, rows, dropout_p):

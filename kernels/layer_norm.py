@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2
+from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
 
 MAX_TILE = 8192   # widest row kept whole in registers
 LOOP_TILE = 4096  # columns per step for wider rows
@@ -288,7 +288,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
 def _num_programs(device):
     if interpreting() or device.type != "cuda":
         return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * sm_count(device)
 
 
 def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):

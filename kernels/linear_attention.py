@@ -40,13 +40,12 @@ dots run on FMA units and need whole operand rows per thread, so they get their 
 Parallelism: the causal scan runs B*H*(column tiles) programs, each sequential over N/BLOCK_N
 chunks (no split over N); the non-causal passes split the rows over programs.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2
+from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
 
 # Causal scan modes.
 FWD_OUT, FWD_STATS, BWD_DQ, BWD_DK, BWD_DV = (tl.constexpr(m) for m in range(5))
@@ -425,17 +424,12 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps, sta
     return grid[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(n, block_n, programs, device):
     """Splits of the rows for the state pass: enough programs to fill the GPU (2 per SM)."""
     if interpreting():
         target = 2 * programs  # two splits, so the tests cover the reduction
     else:
-        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        target = 2 * sm_count(device)
     return max(1, min(cdiv(n, block_n), cdiv(target, programs)))
 
 

@@ -115,6 +115,24 @@ def test_new_outputs_row_strides_are_the_tensors(monkeypatch, poison):
             assert out.is_contiguous() or like.stride(1) < like.stride(2)
 
 
+def test_sm_count_is_read_once_per_device(monkeypatch):
+    """Launchers size their grids by the SM count on every call; the device is asked once."""
+    import types
+
+    from transformer_fast.kernels import _utils
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return types.SimpleNamespace(multi_processor_count=100 + index)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(_utils, "_SM_COUNTS", {})
+    counts = [_utils.sm_count(torch.device("cuda", i)) for i in (0, 1, 0, 1, 0)]
+    assert counts == [100, 101, 100, 101, 100] and asked == [0, 1]
+
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("shape", [(17, 40), (2, 1, 17, 40), (2, 1, 1, 40), (1, 17, 1)])
 def test_attn_mask_broadcast(kind, shape):
