@@ -68,10 +68,12 @@ def _jit_build_variant(csrc, cuda):
 
 
 def sources_newer_than(binary):
-    """The C++ sources of this tree changed after ``binary`` was built (an in-place build not redone
-    after an edit: the ops would be the old code). Empty where the sources are not shipped."""
+    """The C++ sources of this source tree changed after ``binary`` was built (an in-place build not
+    redone after an edit: the ops would be the old code). Empty for an installed package (its csrc/
+    is a copy inside it, whose file times say when it was installed) or one without sources."""
     csrc = _csrc_dir()
-    if csrc is None:
+    package = os.path.dirname(os.path.realpath(__file__))
+    if csrc is None or os.path.realpath(csrc) == os.path.join(package, "csrc"):
         return []
     built = os.path.getmtime(binary)
     names = [n for n in os.listdir(csrc) if n.endswith((".cpp", ".h", ".cu", ".cuh"))]
