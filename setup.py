@@ -37,9 +37,13 @@ def extension_modules():
     flags = {"cxx": build_config["extra_cflags"](cuda)}
     if cuda:
         flags["nvcc"] = build_config["extra_cuda_cflags"]()
+    # the headers too: setuptools rebuilds only where a source or one of these is newer than the binary
+    headers = sorted(os.path.join("csrc", name) for name in os.listdir(os.path.join(ROOT, "csrc"))
+                     if name.endswith((".h", ".cuh")))
     ext = (cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension)(
         "transformer_fast._C",
         sources,
+        depends=headers,
         extra_compile_args=flags,
         extra_link_args=build_config["extra_ldflags"](),
     )

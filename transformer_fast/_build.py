@@ -83,9 +83,9 @@ def sources_newer_than(binary):
 def _warn_if_older_than_sources(binary):
     newer = sources_newer_than(binary)
     if newer:
-        warnings.warn(f"transformer_fast: the prebuilt C++ extension {binary} is older than csrc/{', csrc/'.join(newer)}; "
-                      f"rebuild it (python setup.py build_ext --inplace) or the ops run the old code", RuntimeWarning,
-                      stacklevel=4)
+        warnings.warn(f"transformer_fast: the prebuilt C++ extension {binary} is older than "
+                      f"csrc/{', csrc/'.join(newer)}; rebuild it (python setup.py build_ext --inplace) or the ops "
+                      f"run the old code", RuntimeWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)
