@@ -4,6 +4,7 @@ and packed sequences: tiny Mistral, Qwen2, Gemma 2, gpt-oss and Llama models bui
 generations of the same weights on transformers' "eager" implementation (fp32: atol=1e-5,
 rtol=1e-4), and the kernels receive the window, cap and sinks."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -151,12 +152,15 @@ def test_chunked_prefill_continues_a_sliding_cache():
     ids, mask = left_padded(61, 2, 15)
     caches = {id(ref): transformers.DynamicCache(config=ref.config),
               id(ours): transformers.DynamicCache(config=ours.config)}
+    # `cache` from transformers 5.2x on, `past_key_values` before (deprecated since, removed in 5.40)
+    cache_kwarg = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
     with torch.no_grad():
         for start, stop in ((0, 5), (5, 10), (10, 15)):
-            outs = [m(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=caches[id(m)],
-                      use_cache=True).logits for m in (ref, ours)]
+            outs = [m(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], use_cache=True,
+                      **{cache_kwarg: caches[id(m)]}).logits for m in (ref, ours)]
             valid = mask[:, start:stop].bool()
             torch.testing.assert_close(outs[1][valid], outs[0][valid], **TOL)
+    assert [cache.get_seq_length() for cache in caches.values()] == [15, 15]  # the chunks went through the caches
 
 
 # ------------------------------------------------------------------------------------------------
