@@ -8,6 +8,7 @@
 
 #include "attention_sequences.h"
 #include "attention_tiles.h"
+#include "op_utils.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -399,8 +400,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                                                        is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                        softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
                                                        compute_delta);
-  // an op returns no None
-  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), delta.defined() ? delta : q.new_empty({0})};
+  return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // current stream of the tensors' device. Built only where torch has CUDA (_build_config.py).
 
 #include "attention_cuda.cuh"
+#include "op_utils.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -114,8 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                                                             is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                             softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
                                                             compute_delta);
-  // an op returns no None
-  return {dq, dk, dv, dmask.defined() ? dmask : q.new_empty({0}), delta.defined() ? delta : q.new_empty({0})};
+  return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "op_utils.h"
 #include "ops.h"
 
 namespace transformer_fast {
@@ -526,9 +527,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
 
 namespace transformer_fast {
 namespace {
-
-// The ops' contract: results a call does not produce are empty tensors, not None.
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : like.new_empty({0}); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cpu(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,

@@ -91,6 +91,11 @@ inline at::Tensor with_unit_last_stride(const at::Tensor& t) {
   return (t.sym_size(-1) <= 1 || t.sym_stride(-1) == 1) ? t : t.contiguous();
 }
 
+// The ops' contract: results a call does not produce are empty tensors, not None.
+inline at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : like.new_empty({0});
+}
+
 // ---- autocast -------------------------------------------------------------------------------
 inline bool autocast_device(c10::DeviceType device) {
   return device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA;
