@@ -1,7 +1,6 @@
 """Small helpers shared by the Triton launchers."""
 import inspect
 import os
-import threading
 
 import torch
 
@@ -75,37 +74,6 @@ def autotune(configs, key, early_config_prune):
 
     return triton.autotune(configs=configs[:1] if interpreting() else configs, key=key,
                            prune_configs_by={"early_config_prune": early_config_prune}, **_autotune_cache_option())
-
-
-class TunedLaunch:
-    """Launches an autotuned kernel through the choice it made for a call's `key`.
-
-    Triton's autotuner builds its own key on every call, looking at each argument for a dtype
-    (about 70 arguments for the attention kernels): on an H200's host that took more time than the
-    launch that follows (benchmarks/results/cuda-h200-host-2026-11-26.txt). Here the first call for
-    a key goes through the autotuner (which times the candidates or reads its disk cache), and
-    later calls launch the jit function with the chosen config, as the autotuner itself does.
-    `key` must determine the autotuner's key (its values and the tensors' dtypes); a finer key only
-    asks the autotuner more often. Forced tiles (TRANSFORMER_FAST_TILE) are read when a choice is
-    made: `forget` drops the choices (the autotuner's too) after changing it."""
-
-    def __init__(self, autotuned):
-        self.autotuned = autotuned
-        self.chosen = {}
-        self._choosing = threading.Lock()  # best_config is the autotuner's last choice, of any thread's call
-
-    def __call__(self, key, grid, *args, **kwargs):
-        config = self.chosen.get(key)
-        if config is None:
-            with self._choosing:
-                self.autotuned[grid](*args, **kwargs)
-                self.chosen[key] = self.autotuned.best_config.all_kwargs()
-        else:
-            self.autotuned.fn.run(*args, grid=grid, warmup=False, **kwargs, **config)
-
-    def forget(self):
-        self.chosen.clear()
-        self.autotuned.cache.clear()
 
 
 def _autotune_cache_option():

@@ -31,7 +31,8 @@ import functools
 
 import torch
 
-from ._utils import LAUNCH_OPTIONS, TunedLaunch, cdiv, new_output, new_output_in_rows_of, row_strides
+from ._launch import CompiledLaunch, TunedLaunch
+from ._utils import LAUNCH_OPTIONS, cdiv, new_output, new_output_in_rows_of, row_strides
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
@@ -113,9 +114,12 @@ def _scales(scale, softcap):
     return float(scale) * LOG2E, 0.0
 
 
-# The autotuned launches: each tuned choice, once made, launched without the autotuner (_utils.TunedLaunch).
+# The launches (kernels/_launch.py): the autotuned ones launch each tuned choice, once made, without
+# the autotuner; all launch the compiled kernel directly once Triton has made it for a call's pattern.
 launch_fwd, launch_dkdv, launch_dq = (TunedLaunch(k) for k in (attention_fwd_kernel, attention_bwd_dkdv_kernel,
                                                                attention_bwd_dq_kernel))
+launch_combine, launch_preprocess = CompiledLaunch(attention_combine_kernel), CompiledLaunch(
+    attention_bwd_preprocess_kernel)
 
 
 def forget_tuned_choices():
@@ -231,7 +235,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         **LAUNCH_OPTIONS)
     if splits > 1:
         block_r, warps = combine_launch_shape(meta["BLOCK_DV"])
-        attention_combine_kernel[(cdiv(n_lse, block_r),)](
+        launch_combine[(cdiv(n_lse, block_r),)](
             out_part, lse_part, out, lse, q if sinks is None else sinks, n_lse, splits, H, n_q, *out_strides,
             HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=warps,
             **LAUNCH_OPTIONS)
@@ -300,7 +304,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
         (dq, dq_s), (dk, dk_s), (dv, dv_s) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
-    attention_bwd_preprocess_kernel[(cdiv(n_q, pre_block), H, 1 if packed else B)](
+    launch_preprocess[(cdiv(n_q, pre_block), H, 1 if packed else B)](
         out, dout, delta, *out_strides, *do_s, *lse_s, n_q, HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block,
         **LAUNCH_OPTIONS)
 

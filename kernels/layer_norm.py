@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import CompiledLaunch
 from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
 
 MAX_TILE = 8192   # widest row kept whole in registers
@@ -219,6 +220,9 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
+launch_fwd, launch_bwd = CompiledLaunch(layer_norm_fwd_kernel), CompiledLaunch(layer_norm_bwd_kernel)
+
+
 def row_tiles(N, backward=False):
     """(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps) for rows of width N: a pure function of N, so
     the compile check can list every config. The backward holds more live tensors per element, so
@@ -277,7 +281,7 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     dummy = x  # stands in for absent pointers; never read (the matching constexpr flag is off)
     r, hh = (residual, h) if residual is not None else (dummy, dummy)
     grid = (cdiv(M, block_m),)
-    layer_norm_fwd_kernel[grid](
+    launch_fwd[grid](
         x, r, dummy if w is None else w, dummy if b is None else b, y, hh, dummy if mean is None else mean, rstd,
         x.stride(0), r.stride(0), y.stride(0), hh.stride(0), M, N, float(eps),
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, IS_RMS=bool(is_rms),
@@ -318,7 +322,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     db_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if bias is not None else None
     dummy = h
     dhh = dh if dh is not None else dummy
-    layer_norm_bwd_kernel[(programs,)](
+    launch_bwd[(programs,)](
         dy, dhh, h, dummy if w is None else w, mean, rstd, dx,
         dummy if dw_partial is None else dw_partial, dummy if db_partial is None else db_partial,
         dy.stride(0), dhh.stride(0), h.stride(0), dx.stride(0), M, N, rows_per_program,

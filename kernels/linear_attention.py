@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import CompiledLaunch
 from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
 
 # Causal scan modes.
@@ -348,6 +349,10 @@ STATE_TILE_ELEMENTS = 4096
 MAX_BLOCK_C = 64
 
 
+launch_scan, launch_state, launch_apply = (CompiledLaunch(kernel)
+                                         for kernel in (causal_scan_kernel, state_kernel, apply_kernel))
+
+
 def block_config(na, nc, dtype):
     """(block sizes, num_warps, tl.dot precision) for a contracted width `na` (held whole) and a
     column width `nc` (tiled): the chunk shrinks as the contracted width grows, so that the
@@ -415,7 +420,7 @@ def _scan(mode, q, k, v, dout, key_padding_mask, den, p, out, n_ptiles, eps, sta
         state_args = (0,) * 7
     store = final[0] is not None or final[1] is not None
     fs, fz = (den if t is None else t for t in final)
-    causal_scan_kernel[grid](
+    launch_scan[grid](
         q, k, v, dout, mask, den, p, out, S, z, fs, fz,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), smb, smn, *state_args,
         H, N, D, Dv, n_ptiles, eps,
@@ -449,7 +454,7 @@ def _state(x, y, key_padding_mask, den, g):
     ws_z = torch.empty(B * H, splits, D, dtype=torch.float32, device=x.device)
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
     backward = den is not None
-    state_kernel[(B * H, c_tiles, splits)](
+    launch_state[(B * H, c_tiles, splits)](
         x, y, mask, den if backward else ws_z, g if backward else ws_z, ws_s, ws_z,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, chunks_per_split,
         BACKWARD=backward, HAS_MASK=has_mask, PRECISION=precision, **blocks,
@@ -465,7 +470,7 @@ def _apply(mode, x, y, key_padding_mask, s, z, out, out2, den, g, eps):
     blocks, num_warps, precision = block_config(D, Dv, x.dtype)
     block_m = blocks.pop("BLOCK_N")
     mask, smb, smn, has_mask = _mask_args(key_padding_mask, x)
-    apply_kernel[(B * H, cdiv(N, block_m))](
+    launch_apply[(B * H, cdiv(N, block_m))](
         x, y, mask, s, z, out, out2, den, g,
         *_strides(x), *_strides(y), smb, smn, H, N, D, Dv, eps,
         MODE=mode.value, HAS_MASK=has_mask, PRECISION=precision, BLOCK_M=block_m, **blocks,

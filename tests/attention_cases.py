@@ -261,15 +261,15 @@ def record_launches(monkeypatch):
         def __init__(self, name):
             self.name = name
 
-        def __getitem__(self, grid):  # kernel[grid](...)
+        def __getitem__(self, grid):  # launch[grid](...)
             return lambda *args, **kwargs: launches.append(self.name)
 
         def __call__(self, key, grid, *args, **kwargs):  # the autotuned kernels' TunedLaunch
             launches.append(self.name)
 
-    for attr, name in (("launch_fwd", "attention_fwd_kernel"), ("attention_combine_kernel",) * 2,
-                       ("attention_bwd_preprocess_kernel",) * 2, ("launch_dkdv", "attention_bwd_dkdv_kernel"),
-                       ("launch_dq", "attention_bwd_dq_kernel")):
+    for attr, name in (("launch_fwd", "attention_fwd_kernel"), ("launch_combine", "attention_combine_kernel"),
+                       ("launch_preprocess", "attention_bwd_preprocess_kernel"),
+                       ("launch_dkdv", "attention_bwd_dkdv_kernel"), ("launch_dq", "attention_bwd_dq_kernel")):
         monkeypatch.setattr(ka, attr, Recorded(name))
     return launches
 

@@ -412,7 +412,7 @@ def test_decoding_splits_chosen_automatically():
     from transformer_fast.kernels import attention as ka
 
     merges = []
-    combine = ka.attention_combine_kernel
+    combine = ka.launch_combine
 
     class Counted:
         def __getitem__(self, grid):
@@ -420,7 +420,7 @@ def test_decoding_splits_chosen_automatically():
             return combine[grid]
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(ka, "attention_combine_kernel", Counted())
+        m.setattr(ka, "launch_combine", Counted())
         q, k, v = make_qkv(1, 2, 1, 600, 16, dtype=torch.float16, device=_device())
         check_dense(q, k, v, grads=False, window=(400, -1))
         assert len(merges) == 1

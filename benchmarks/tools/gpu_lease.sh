@@ -8,6 +8,8 @@
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
 #   tests      the gpu-marked tests without the full grids (pytest -k "not full_grid", 14 workers)
 #   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
+#   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
+#              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
 #   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
@@ -57,6 +59,12 @@ stage_host() {
     echo "profile_host_gpu exit $?"
     grep -E "^(tiny|large) " "$OUT/host.log"
 }
+stage_host_run() {
+    TRANSFORMER_FAST_DIRECT_LAUNCH=0 timeout -s INT "$(cap 45)" python3 -m benchmarks.tools.profile_host_gpu \
+        --shapes tiny --no-cprofile >"$OUT/host_run.log" 2>&1
+    echo "profile_host_gpu (direct launches off) exit $?"
+    grep -E "^tiny " "$OUT/host_run.log"
+}
 stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_attention --dtype bfloat16 \
     --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; pack; }
 stage_kernels() {
@@ -88,7 +96,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check tests host attention kernels layer_norm models ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check tests host host_run attention kernels layer_norm models ncu grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"

@@ -5,8 +5,9 @@
 Every Triton kernel launch is replaced by a no-op, and the public functions run on small CPU
 tensors under TRITON_INTERPRET=1 (one thread). What is left is what a call costs on the host
 before and around its launches: argument checks, the dispatch, the launchers' block-size choice,
-output allocation and the autograd plumbing. On a GPU, Triton's own launch cost (tens of us per
-kernel) comes on top; `benchmarks/tools/profile_host_gpu.py` measures the whole on a GPU.
+output allocation and the autograd plumbing. Triton's own launch path comes on top:
+`launch_overhead_triton.py` measures the op kernels with it (kernels compiled for a GPU, launches
+recorded), `profile_host_gpu.py` the whole on a GPU.
 Minimum over 7 runs of 100-300 calls each."""
 import os
 
@@ -20,7 +21,7 @@ from triton.runtime.jit import KernelInterface  # noqa: E402
 
 import transformer_fast as tf  # noqa: E402
 from transformer_fast import _device_kernels  # noqa: E402
-from transformer_fast.kernels import _utils  # noqa: E402
+from transformer_fast.kernels import _launch  # noqa: E402
 
 
 def per_call_us(fn, calls):
@@ -38,7 +39,7 @@ def per_call_us(fn, calls):
 def main():
     # launches do nothing: kernel[grid](...) and the autotuned kernels' direct launch
     KernelInterface.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
-    _utils.TunedLaunch.__call__ = lambda self, key, grid, *args, **kwargs: None
+    _launch.TunedLaunch.__call__ = lambda self, key, grid, *args, **kwargs: None
     torch.set_num_threads(1)
     x, r = torch.randn(64, 256), torch.randn(64, 256)
     w, b = torch.randn(256), torch.randn(256)

@@ -1,0 +1,209 @@
+"""Launching the Triton kernels at the driver's cost.
+
+`kernel[grid](*args)` runs Triton's `JITFunction.run` on every call: it binds the 50-75
+arguments of a kernel to its signature, works out each one's specialisation (a tensor's dtype
+and 16-byte alignment; an int's width, whether it is 1, whether it divides by 16), turns that
+into a cache key, finds the compiled kernel and builds the launch hooks' metadata, then launches.
+On a 2-core CPU the binding alone took 18 us for the attention forward's 75 parameters, and the
+whole of `run` (launch excluded) 33 us more than a direct launch of the same kernel
+(`benchmarks/tools/launch_overhead_triton.py`).
+
+`CompiledLaunch` keeps, per call pattern, the compiled kernel Triton chose and launches it
+directly on later calls: the first call for a pattern goes through `JITFunction.run` (which
+compiles or finds the kernel, and launches it), later ones call its launcher with the arguments
+Triton passes. The pattern's key holds everything Triton's specialisation reads (each argument's
+type; each tensor's dtype and address modulo 16; each int modulo 16, whether it is 1, and whether
+it fits 32 bits; the keyword arguments, which carry the constexprs and the compile options; the
+current device), and more: a key never maps to a kernel compiled for other arguments, and a finer
+key only sends a call through Triton once more. `tests/test_direct_launch.py` checks this against
+Triton's own `run`, on real compiled kernels, with a recording driver in place of the GPU.
+
+Through Triton instead, always: under the interpreter (no compiled kernels), before Triton 3.6
+(the launcher's calling convention is checked from 3.6 on), with launch hooks or pre-run hooks
+installed (profilers such as Proton), with an argument of another type (None, a tuple, a
+descriptor), and with TRANSFORMER_FAST_DIRECT_LAUNCH=0. What `run` checks on every call is
+checked on the first call of a pattern only: Triton's settings (its knobs: debug mode,
+instrumentation) and that the globals a kernel reads have not changed since it compiled; `forget`
+drops the entries after changing them."""
+import os
+import threading
+import weakref
+from operator import itemgetter
+
+import torch
+
+from ._utils import interpreting
+
+_DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
+# The launcher call below is Triton's own (JITFunction.run) from 3.6 on, the versions checked
+# (3.6 and 3.9); older ones launch through Triton's run.
+_FIRST_DIRECT_TRITON = (3, 6)
+_MAX_ENTRIES = 4096  # per kernel; a full table starts again (shapes that change every call)
+_I32 = (-2 ** 31, 2 ** 31)
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _picker(positions):
+    """args -> the tuple of args at `positions` (itemgetter returns a bare item for one position)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda args: (args[only],)
+    return itemgetter(*positions)
+
+
+class _ArgLayout:
+    """Which positional arguments are tensors and which are ints, for one tuple of argument types."""
+
+    def __init__(self, tensors, ints):
+        self.tensors, self.ints = _picker(tensors), _picker(ints)
+
+    @staticmethod
+    def of(types):
+        """The layout, or None where an argument has a type this module does not key on."""
+        tensors, ints = [], []
+        for i, t in enumerate(types):
+            if t in _TENSOR_TYPES:
+                tensors.append(i)
+            elif t is int:
+                ints.append(i)
+            elif t is not float and t is not bool:  # floats are fp32 and bools u1, whatever their value
+                return None
+        return _ArgLayout(tensors, ints)
+
+
+def _int_widths(ints):
+    """None where every int fits 32 bits (the common case), else each int's width class."""
+    if not ints or (_I32[0] <= min(ints) and max(ints) < _I32[1]):
+        return None
+    return tuple([0 if _I32[0] <= v < _I32[1] else 1 if v < 2 ** 63 else 2 for v in ints])
+
+
+def _triton_version():
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+def _launch_hooks_installed(runtime):
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Triton 3.6+ keeps them as HookChains (never None): installed when the chain has calls
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+class CompiledLaunch:
+    """`launch[grid](*args, **kwargs)` as `kernel[grid](*args, **kwargs)`, launching the compiled
+    kernel directly once Triton has made it for the call's pattern (module docstring)."""
+
+    instances = weakref.WeakSet()  # every launch, for tools that switch direct launches off and on
+
+    def __init__(self, kernel):
+        self.kernel = kernel  # a triton.JITFunction (an InterpretedFunction under the interpreter)
+        self.direct = _DIRECT and not interpreting() and _triton_version() >= _FIRST_DIRECT_TRITON
+        self.entries = {}
+        self._layouts = {}
+        self._driver = None
+        self._pre_run_hooks = getattr(kernel, "pre_run_hooks", ())  # Triton's list: hooks added later show
+        self._lock = threading.Lock()
+        CompiledLaunch.instances.add(self)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def __call__(self, grid, *args, **kwargs):
+        self.launch(grid, args, kwargs)
+
+    def forget(self):
+        self.entries.clear()
+
+    def launch(self, grid, args, kwargs):
+        """Launches the kernel over `grid` with positional `args` and keyword `kwargs`."""
+        if not self.direct:
+            return self.kernel[grid](*args, **kwargs)
+        driver, runtime = self._driver or self._bind_driver()
+        device = driver.get_current_device()
+        key = self._key(device, args, kwargs)
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None or _launch_hooks_installed(runtime) or self._pre_run_hooks:
+            compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            if key is not None and entry is None:
+                self._remember(key, compiled, len(args), kwargs)
+            return
+        compiled, tail = entry
+        if callable(grid):
+            grid = grid(kwargs)  # the constexprs and the compile options by name
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.get_current_stream(device),
+                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+    def _bind_driver(self):
+        from triton import knobs
+        from triton.runtime import driver
+
+        self._driver = (driver.active, knobs.runtime)
+        return self._driver
+
+    def _key(self, device, args, kwargs):
+        """The call's pattern, one flat tuple (hashed on every call: no nested tuples to build). Its
+        length is fixed by the layout and the number of keyword arguments, so no two patterns'
+        parts can run into each other."""
+        types = tuple(map(type, args))
+        layout = self._layouts.get(types, False)
+        if layout is False:
+            layout = self._layouts[types] = _ArgLayout.of(types)
+        if layout is None:
+            return None
+        tensors, ints = layout.tensors(args), layout.ints(args)
+        return (layout, device, *kwargs, *kwargs.values(), *[t.dtype for t in tensors],
+                *[t.data_ptr() & 15 for t in tensors], *[v & 15 if v != 1 else 16 for v in ints],
+                _int_widths(ints))
+
+    def _remember(self, key, compiled, n_args, kwargs):
+        """Keeps `compiled` for `key`, with the values of the parameters after the positional
+        arguments (constexprs, which the launcher skips), in signature order as Triton passes them."""
+        if compiled is None or not hasattr(compiled, "packed_metadata"):  # a warm-up, or an async compile's future
+            return
+        tail = []
+        for param in self.kernel.params[n_args:]:
+            if not param.is_constexpr:  # a run-time argument given by name: leave every such call to Triton
+                return
+            tail.append(kwargs[param.name] if param.name in kwargs else param.default)
+        with self._lock:
+            if len(self.entries) >= _MAX_ENTRIES:
+                self.entries.clear()
+            self.entries[key] = (compiled, tuple(tail))
+
+
+class TunedLaunch:
+    """Launches an autotuned kernel through the choice it made for a call's `key`.
+
+    Triton's autotuner builds its own key on every call, looking at each argument for a dtype
+    (about 70 arguments for the attention kernels): on an H200's host that took more time than the
+    launch that follows (benchmarks/results/cuda-h200-host-2026-11-26.txt). Here the first call for
+    a key goes through the autotuner (which times the candidates or reads its disk cache), and
+    later calls launch the chosen config through a CompiledLaunch of the jit function.
+    `key` must determine the autotuner's key (its values and the tensors' dtypes); a finer key only
+    asks the autotuner more often. Forced tiles (TRANSFORMER_FAST_TILE) are read when a choice is
+    made: `forget` drops the choices (the autotuner's too) after changing it."""
+
+    def __init__(self, autotuned):
+        self.autotuned = autotuned
+        self.compiled = CompiledLaunch(autotuned.fn)
+        self.chosen = {}
+        self._choosing = threading.Lock()  # best_config is the autotuner's last choice, of any thread's call
+
+    def __call__(self, key, grid, *args, **kwargs):
+        config = self.chosen.get(key)
+        if config is None:
+            with self._choosing:
+                self.autotuned[grid](*args, **kwargs)
+                self.chosen[key] = self.autotuned.best_config.all_kwargs()
+        else:
+            kwargs.update(config)
+            self.compiled.launch(grid, args, kwargs)
+
+    def forget(self):
+        self.chosen.clear()
+        self.autotuned.cache.clear()
+        self.compiled.forget()
