@@ -422,3 +422,39 @@ def test_opcheck(dtype):
     """The kernel op on the CPU (the dispatcher's C++ kernel): schema, fake kernel, autograd, AOT."""
     for op, args in _op_cases(dtype):
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("lead", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_triton_op_kernels_keep_the_input_shape(lead, is_rms, residual):
+    """The Triton kernel ops as the CUDA key runs them (transformer_fast/_device_kernels.py),
+    called directly: rows are reshaped only where the input is not 2-D, and every result comes
+    back in its input's shape, equal to the float64 reference (forward and backward)."""
+    _skip_unavailable("triton")
+    from transformer_fast._device_kernels import op_kernel
+
+    forward, backward = (op_kernel(f"layer_norm_{step}", "triton", "cpu") for step in ("forward", "backward"))
+    width, eps = 33, 1e-5
+    x, r, w, b = _inputs(lead, width, torch.float32, has_bias=not is_rms, residual=residual)
+    y, h, mean, rstd = forward(x, r, w, b, eps, is_rms)
+    dy = torch.randn_like(x)
+    dx, dw, db = backward(dy, None, x if r is None else h, w, b, mean, rstd, eps, is_rms)
+
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    x64, r64, w64, b64 = leaves
+    if is_rms:
+        out = reference.rms_norm(x64, (width,), w64, eps, residual=r64)
+    else:
+        out = reference.layer_norm(x64, (width,), w64, b64, eps, residual=r64)
+    y64 = out[0] if residual else out
+    y64.backward(dy.double())
+    assert y.shape == x.shape and dx.shape == x.shape and (not residual or h.shape == x.shape)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    if residual:
+        torch.testing.assert_close(h, x + r)
+    # dx is the gradient with respect to h = x + r, which is also x's and r's
+    torch.testing.assert_close(dx.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
+    if not is_rms:
+        torch.testing.assert_close(db.double(), b64.grad, rtol=1e-4, atol=1e-4)

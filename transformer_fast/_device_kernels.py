@@ -63,11 +63,12 @@ def _layer_norm_forward(kernel):
         if x.numel() == 0:
             stats = x.new_empty(0, dtype=_stats_dtype(x))
             return x.new_empty(shape), (x.new_empty(shape) if residual is not None else _empty(x)), stats, stats
-        rows = x.reshape(-1, shape[-1])
-        y, h, mean, rstd = kernel(rows, None if residual is None else residual.reshape(-1, shape[-1]), weight, bias,
-                                  eps, is_rms)
-        return (y.view(shape), _empty(x) if h is None else h.view(shape), _empty(rstd) if mean is None else mean,
-                rstd)
+        flat = x.dim() == 2  # rows already: no reshape and no view (each costs 1-2 us on the host)
+        y, h, mean, rstd = kernel(x if flat else x.reshape(-1, shape[-1]), residual if residual is None or flat
+                                  else residual.reshape(-1, shape[-1]), weight, bias, eps, is_rms)
+        if not flat:  # sizes unpacked: view(torch.Size) parses ~2 us slower than view(*sizes)
+            y, h = y.view(*shape), (None if h is None else h.view(*shape))
+        return y, _empty(x) if h is None else h, _empty(rstd) if mean is None else mean, rstd
     return layer_norm_forward
 
 
@@ -76,11 +77,15 @@ def _layer_norm_backward(kernel):
         if h.numel() == 0:
             return (torch.zeros_like(h), torch.zeros_like(weight) if weight is not None else _empty(h),
                     torch.zeros_like(bias) if bias is not None else _empty(h))
-        width = h.shape[-1]
-        dx, dweight, dbias = kernel(dy.reshape(-1, width), None if dh is None else dh.reshape(-1, width),
-                                    h.reshape(-1, width), weight, bias, None if is_rms else mean, rstd, eps, is_rms)
-        return (dx.view(h.shape), _empty(h) if dweight is None else dweight,
-                _empty(h) if dbias is None else dbias)
+        if h.dim() == 2:
+            dx, dweight, dbias = kernel(dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
+        else:
+            width = h.shape[-1]
+            dx, dweight, dbias = kernel(dy.reshape(-1, width), None if dh is None else dh.reshape(-1, width),
+                                        h.reshape(-1, width), weight, bias, None if is_rms else mean, rstd, eps,
+                                        is_rms)
+            dx = dx.view(*h.shape)
+        return dx, _empty(h) if dweight is None else dweight, _empty(h) if dbias is None else dbias
     return layer_norm_backward
 
 
