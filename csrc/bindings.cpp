@@ -4,7 +4,9 @@
 //     same code the dispatcher runs for torch.ops.transformer_fast.<op>, without the boxed call);
 //   * their argument checks alone (*_args), for the paths that run a backend other than the
 //     dispatcher's (backend=..., the torch.func transforms);
-//   * the kernel-level functions, for those paths.
+//   * the kernel-level functions, for those paths;
+//   * the signature of a Triton launch's arguments (launch_signature.cpp), for kernels/_launch.py.
+#include "launch_signature.h"
 #include "ops.h"
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
 #include "attention.h"
@@ -159,6 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
+  m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   m.def("layer_norm_forward", &tf::layer_norm_forward);
   m.def("layer_norm_backward", &tf::layer_norm_backward);
   m.def("linear_attention_forward", &tf::linear_attention_forward);

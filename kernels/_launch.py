@@ -13,9 +13,9 @@ directly on later calls: the first call for a pattern goes through `JITFunction.
 compiles or finds the kernel, and launches it), later ones call its launcher with the arguments
 Triton passes. The pattern's key holds everything Triton's specialisation reads (each argument's
 type; each tensor's dtype and address modulo 16; each int modulo 16, whether it is 1, and whether
-it fits 32 bits; the keyword arguments, which carry the constexprs and the compile options; the
-current device), and more: a key never maps to a kernel compiled for other arguments, and a finer
-key only sends a call through Triton once more. `tests/test_direct_launch.py` checks this against
+it fits 32 bits: worked out in C++, `csrc/launch_signature.cpp`; the keyword arguments, which carry
+the constexprs and the compile options; the current device), and more: a key never maps to a
+kernel compiled for other arguments, and a finer key only sends a call through Triton once more. `tests/test_direct_launch.py` checks this against
 Triton's own `run`, on real compiled kernels, with a recording driver in place of the GPU.
 
 Through Triton instead, always: under the interpreter (no compiled kernels), before Triton 3.6
@@ -28,9 +28,6 @@ drops the entries after changing them."""
 import os
 import threading
 import weakref
-from operator import itemgetter
-
-import torch
 
 from ._utils import interpreting
 
@@ -39,45 +36,6 @@ _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
 # (3.6 and 3.9); older ones launch through Triton's run.
 _FIRST_DIRECT_TRITON = (3, 6)
 _MAX_ENTRIES = 4096  # per kernel; a full table starts again (shapes that change every call)
-_I32 = (-2 ** 31, 2 ** 31)
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _picker(positions):
-    """args -> the tuple of args at `positions` (itemgetter returns a bare item for one position)."""
-    if not positions:
-        return lambda args: ()
-    if len(positions) == 1:
-        only = positions[0]
-        return lambda args: (args[only],)
-    return itemgetter(*positions)
-
-
-class _ArgLayout:
-    """Which positional arguments are tensors and which are ints, for one tuple of argument types."""
-
-    def __init__(self, tensors, ints):
-        self.tensors, self.ints = _picker(tensors), _picker(ints)
-
-    @staticmethod
-    def of(types):
-        """The layout, or None where an argument has a type this module does not key on."""
-        tensors, ints = [], []
-        for i, t in enumerate(types):
-            if t in _TENSOR_TYPES:
-                tensors.append(i)
-            elif t is int:
-                ints.append(i)
-            elif t is not float and t is not bool:  # floats are fp32 and bools u1, whatever their value
-                return None
-        return _ArgLayout(tensors, ints)
-
-
-def _int_widths(ints):
-    """None where every int fits 32 bits (the common case), else each int's width class."""
-    if not ints or (_I32[0] <= min(ints) and max(ints) < _I32[1]):
-        return None
-    return tuple([0 if _I32[0] <= v < _I32[1] else 1 if v < 2 ** 63 else 2 for v in ints])
 
 
 def _triton_version():
@@ -102,8 +60,8 @@ class CompiledLaunch:
         self.kernel = kernel  # a triton.JITFunction (an InterpretedFunction under the interpreter)
         self.direct = _DIRECT and not interpreting() and _triton_version() >= _FIRST_DIRECT_TRITON
         self.entries = {}
-        self._layouts = {}
         self._driver = None
+        self._signature = None
         self._pre_run_hooks = getattr(kernel, "pre_run_hooks", ())  # Triton's list: hooks added later show
         self._lock = threading.Lock()
         CompiledLaunch.instances.add(self)
@@ -119,9 +77,11 @@ class CompiledLaunch:
 
     def launch(self, grid, args, kwargs):
         """Launches the kernel over `grid` with positional `args` and keyword `kwargs`."""
-        if not self.direct:
+        if self.direct and self._driver is None:
+            self._bind()
+        if not self.direct or self._signature is None:  # the latter: an extension built before it had one
             return self.kernel[grid](*args, **kwargs)
-        driver, runtime = self._driver or self._bind_driver()
+        driver, runtime = self._driver
         device = driver.get_current_device()
         key = self._key(device, args, kwargs)
         entry = self.entries.get(key) if key is not None else None
@@ -137,27 +97,23 @@ class CompiledLaunch:
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.get_current_stream(device),
                      compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
-    def _bind_driver(self):
+    def _bind(self):
         from triton import knobs
         from triton.runtime import driver
 
+        from transformer_fast import _build  # here, not at import: this package also imports alone
+
+        self._signature = getattr(_build.extension(), "triton_launch_signature", None)
         self._driver = (driver.active, knobs.runtime)
-        return self._driver
 
     def _key(self, device, args, kwargs):
-        """The call's pattern, one flat tuple (hashed on every call: no nested tuples to build). Its
-        length is fixed by the layout and the number of keyword arguments, so no two patterns'
-        parts can run into each other."""
-        types = tuple(map(type, args))
-        layout = self._layouts.get(types, False)
-        if layout is False:
-            layout = self._layouts[types] = _ArgLayout.of(types)
-        if layout is None:
-            return None
-        tensors, ints = layout.tensors(args), layout.ints(args)
-        return (layout, device, *kwargs, *kwargs.values(), *[t.dtype for t in tensors],
-                *[t.data_ptr() & 15 for t in tensors], *[v & 15 if v != 1 else 16 for v in ints],
-                _int_widths(ints))
+        """The call's pattern: the positional arguments' signature (csrc/launch_signature.cpp: each
+        one's type, a tensor's dtype and address mod 16, an int's width and value mod 16 or 1),
+        the device, then the keyword arguments' names and values. One flat tuple, hashed on every
+        call; its length fixes the number of keyword arguments, so no two patterns' parts can run
+        into each other. None where an argument is of a type the signature does not cover."""
+        signature = self._signature(args)
+        return None if signature is None else (signature, device, *kwargs, *kwargs.values())
 
     def _remember(self, key, compiled, n_args, kwargs):
         """Keeps `compiled` for `key`, with the values of the parameters after the positional

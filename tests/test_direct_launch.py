@@ -131,3 +131,26 @@ def test_package_launchers_launch_directly_what_triton_would():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": same") == 7, result.stdout
+
+
+def test_signature_covers_what_it_keys_and_refuses_the_rest():
+    """csrc/launch_signature.cpp: equal for arguments Triton compiles alike only where the fields
+    it keys agree; None (the launch goes through Triton) for what it does not cover."""
+    from transformer_fast import _build
+
+    signature = _build.extension().triton_launch_signature
+    x = torch.empty(8)
+    assert signature((x, 16, 0.5, True)) == signature((torch.empty(8), 32, 2.0, False))  # aligned, 0 mod 16
+    assert signature((x, 16)) != signature((x[1:], 16))  # alignment
+    assert signature((x, 16)) != signature((x.half(), 16))  # dtype
+    for a, b in ((1, 17), (16, 17), (16, 2 ** 31 + 16), (2 ** 31 + 16, 2 ** 63 + 16), (-16, -2 ** 31 - 16),
+                 (1, True), (1, 1.0)):
+        assert signature((x, a)) != signature((x, b)), (a, b)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    for other in (None, (1, 2), 2 ** 64, -2 ** 63 - 1, x.as_subclass(Subclass), torch.float32, "s"):
+        assert signature((x, other)) is None, other
+    assert signature((torch.nn.Parameter(x), 1)) == signature((x, 1))
+    assert signature(()) == b""

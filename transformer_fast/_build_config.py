@@ -10,7 +10,8 @@ import platform
 # schemas and the bindings, one translation unit each, so that a parallel build compiles them side by side.
 SOURCES = ("schemas.cpp", "attention_forward.cpp", "attention_backward.cpp", "attention_args.cpp", "attention_op.cpp",
            "layer_norm.cpp",
-           "layer_norm_op.cpp", "linear_attention.cpp", "linear_attention_op.cpp", "bindings.cpp")
+           "layer_norm_op.cpp", "linear_attention.cpp", "linear_attention_op.cpp", "launch_signature.cpp",
+           "bindings.cpp")
 # CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
 CUDA_SOURCES = ("attention_cuda.cu",)
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"

@@ -1,0 +1,68 @@
+// What Triton's specialisation reads of a launch's positional arguments, as one bytes object
+// (hashed by Python in one pass), for the direct launches of kernels/_launch.py. Per argument:
+//   tensor (torch.Tensor or Parameter, not other subclasses): 'T', dtype, address mod 16
+//   bool: 'B' (Triton passes it as u1, whatever its value)
+//   int: 'I', width ('4': fits int32, '8': int64, 'U': uint64), 16 if it is 1 (Triton makes a
+//        constexpr of it) else its value mod 16 (Triton asks whether it divides by 16)
+//   float: 'F' (fp32, whatever its value)
+// Anything else (None, another tensor subclass, a tensor without storage, an int beyond uint64)
+// gives None: the caller leaves that launch to Triton. Each field is finer than Triton's or
+// equal, so equal signatures never mean different compiled kernels.
+#include "launch_signature.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace transformer_fast {
+
+namespace py = pybind11;
+
+namespace {
+
+char int_residue(unsigned long long value) { return static_cast<char>(value & 15); }
+
+}  // namespace
+
+py::object triton_launch_signature(const py::tuple& args) {
+  std::string signature;
+  signature.reserve(3 * args.size());
+  for (py::handle arg : args) {
+    PyObject* obj = arg.ptr();
+    if (THPVariable_CheckExact(obj)) {
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (!t.has_storage()) return py::none();
+      signature += 'T';
+      signature += static_cast<char>(t.scalar_type());
+      signature += static_cast<char>(reinterpret_cast<std::uintptr_t>(t.data_ptr()) & 15);
+    } else if (PyBool_Check(obj)) {
+      signature += 'B';
+    } else if (PyLong_CheckExact(obj)) {
+      int overflow = 0;
+      const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+      signature += 'I';
+      if (overflow == 0) {
+        const bool fits32 = value >= std::numeric_limits<int32_t>::min() && value <= std::numeric_limits<int32_t>::max();
+        signature += fits32 ? '4' : '8';
+        signature += value == 1 ? static_cast<char>(16) : int_residue(static_cast<unsigned long long>(value));
+      } else {
+        const unsigned long long unsigned_value = overflow > 0 ? PyLong_AsUnsignedLongLong(obj) : 0;
+        if (overflow < 0 || PyErr_Occurred()) {  // below int64 or beyond uint64: Triton refuses it
+          PyErr_Clear();
+          return py::none();
+        }
+        signature += 'U';
+        signature += int_residue(unsigned_value);
+      }
+    } else if (PyFloat_CheckExact(obj)) {
+      signature += 'F';
+    } else {
+      return py::none();
+    }
+  }
+  return py::bytes(signature);
+}
+
+}  // namespace transformer_fast
