@@ -344,7 +344,7 @@ def _tile_of(config):
 
 
 def test_tuned_choices_launch_without_the_autotuner(monkeypatch):
-    """The autotuner runs once per key (kernels/_utils.TunedLaunch); later calls with that key
+    """The autotuner runs once per key (kernels/_launch.TunedLaunch); later calls with that key
     launch its choice directly, with the same result; forgetting the choices asks it again."""
     from transformer_fast.kernels import attention as ka
 
