@@ -49,6 +49,10 @@ OTHER_RECORDS = {
     "cuda-h200-host-2026-11-26.txt": "host time per call on an H200's machine, ours and torch's, before and after the "
                                      "direct launch of tuned choices, with where the time goes (cProfile, "
                                      "torch.profiler)",
+    "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "
+                                          "compiled for sm_90, launches recorded): direct launches against Triton's "
+                                          "JITFunction.run, with Triton 3.9 and 3.6, and the check that both launch "
+                                          "the same",
     "cuda-h200-attention-kernels-2026-11-26.txt": "device time per kernel of one attention forward+backward on an "
                                                   "H200, ours against torch's SDPA (cuDNN attention)",
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
