@@ -154,3 +154,44 @@ def test_signature_covers_what_it_keys_and_refuses_the_rest():
         assert signature((x, other)) is None, other
     assert signature((torch.nn.Parameter(x), 1)) == signature((x, 1))
     assert signature(()) == b""
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_give_tritons_results():
+    """On a GPU: attention (forward and backward), LayerNorm and linear attention give bitwise the
+    results of launches through Triton's run when launched directly, and do launch directly."""
+    import transformer_fast as tf
+    from transformer_fast.kernels import _launch
+    from transformer_fast.kernels import attention as ka
+
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    x, r = torch.randn(2, 300, 96, device="cuda"), torch.randn(2, 300, 96, device="cuda")
+    w, b = (torch.randn(96, device="cuda", requires_grad=True) for _ in range(2))
+    xg = x.clone().requires_grad_()
+
+    def run():
+        for t in (q, k, v, w, b, xg):
+            t.grad = None
+        out = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().square().sum().backward()
+        y, h = tf.layer_norm(xg, (96,), w, b, residual=r)
+        (y * h).sum().backward()
+        lin = tf.linear_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+        return [t.clone() for t in (out, q.grad, k.grad, v.grad, y, h, xg.grad, w.grad, b.grad, lin)]
+
+    if not _launch._DIRECT:
+        pytest.skip("TRANSFORMER_FAST_DIRECT_LAUNCH=0 turns direct launches off")
+    launches = list(_launch.CompiledLaunch.instances)
+    assert all(launch.direct for launch in launches), "direct launches are off on this GPU"
+    try:
+        for launch in launches:
+            launch.direct = False
+        through_run = run()
+    finally:
+        for launch in launches:
+            launch.direct = True
+    run()  # makes the entries
+    direct = run()
+    assert ka.launch_fwd.compiled.entries and ka.launch_dq.compiled.entries and ka.launch_preprocess.entries
+    for i, (a, b_) in enumerate(zip(direct, through_run)):
+        assert torch.equal(a, b_), f"result {i} differs between direct launches and Triton's run"
