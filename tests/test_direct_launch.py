@@ -179,19 +179,21 @@ def test_gpu_direct_launches_give_tritons_results():
         lin = tf.linear_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
         return [t.clone() for t in (out, q.grad, k.grad, v.grad, y, h, xg.grad, w.grad, b.grad, lin)]
 
-    if not _launch._DIRECT:
-        pytest.skip("TRANSFORMER_FAST_DIRECT_LAUNCH=0 turns direct launches off")
     launches = list(_launch.CompiledLaunch.instances)
-    assert all(launch.direct for launch in launches), "direct launches are off on this GPU"
+    default = [launch.direct for launch in launches]
+    if _launch._DIRECT:  # unless TRANSFORMER_FAST_DIRECT_LAUNCH=0, on by default on a GPU
+        assert all(default), "direct launches are off on this GPU"
     try:
         for launch in launches:
             launch.direct = False
         through_run = run()
-    finally:
         for launch in launches:
             launch.direct = True
-    run()  # makes the entries
-    direct = run()
+        run()  # makes the entries
+        direct = run()
+    finally:
+        for launch, on in zip(launches, default):
+            launch.direct = on
     assert ka.launch_fwd.compiled.entries and ka.launch_dq.compiled.entries and ka.launch_preprocess.entries
     for i, (a, b_) in enumerate(zip(direct, through_run)):
         assert torch.equal(a, b_), f"result {i} differs between direct launches and Triton's run"

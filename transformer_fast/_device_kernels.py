@@ -57,16 +57,19 @@ def _stats_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _rows(t, width):
+    """t as (rows, width): 2-D tensors (and None) as they are, with no reshape (1-2 us a call)."""
+    return t if t is None or t.dim() == 2 else t.reshape(-1, width)
+
+
 def _layer_norm_forward(kernel):
     def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
         shape = x.shape
         if x.numel() == 0:
             stats = x.new_empty(0, dtype=_stats_dtype(x))
             return x.new_empty(shape), (x.new_empty(shape) if residual is not None else _empty(x)), stats, stats
-        flat = x.dim() == 2  # rows already: no reshape and no view (each costs 1-2 us on the host)
-        y, h, mean, rstd = kernel(x if flat else x.reshape(-1, shape[-1]), residual if residual is None or flat
-                                  else residual.reshape(-1, shape[-1]), weight, bias, eps, is_rms)
-        if not flat:  # sizes unpacked: view(torch.Size) parses ~2 us slower than view(*sizes)
+        y, h, mean, rstd = kernel(_rows(x, shape[-1]), _rows(residual, shape[-1]), weight, bias, eps, is_rms)
+        if x.dim() != 2:  # sizes unpacked: view(torch.Size) parses ~2 us slower than view(*sizes)
             y, h = y.view(*shape), (None if h is None else h.view(*shape))
         return y, _empty(x) if h is None else h, _empty(rstd) if mean is None else mean, rstd
     return layer_norm_forward
@@ -77,13 +80,10 @@ def _layer_norm_backward(kernel):
         if h.numel() == 0:
             return (torch.zeros_like(h), torch.zeros_like(weight) if weight is not None else _empty(h),
                     torch.zeros_like(bias) if bias is not None else _empty(h))
-        if h.dim() == 2:
-            dx, dweight, dbias = kernel(dy, dh, h, weight, bias, None if is_rms else mean, rstd, eps, is_rms)
-        else:
-            width = h.shape[-1]
-            dx, dweight, dbias = kernel(dy.reshape(-1, width), None if dh is None else dh.reshape(-1, width),
-                                        h.reshape(-1, width), weight, bias, None if is_rms else mean, rstd, eps,
-                                        is_rms)
+        width = h.shape[-1]
+        dx, dweight, dbias = kernel(_rows(dy, width), _rows(dh, width), _rows(h, width), weight, bias,
+                                    None if is_rms else mean, rstd, eps, is_rms)
+        if h.dim() != 2:
             dx = dx.view(*h.shape)
         return dx, _empty(h) if dweight is None else dweight, _empty(h) if dbias is None else dbias
     return layer_norm_backward
