@@ -6,6 +6,8 @@
 #
 #   install    build the C++ extension (CUDA kernels for the GPU present, TORCH_CUDA_ARCH_LIST) in place
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
+#   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
+#              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
 #   tests      the gpu-marked tests without the full grids (pytest -k "not full_grid", 14 workers)
 #   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
@@ -48,6 +50,14 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 }
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
     --out "$OUT/results" --no-progress; pack; }
+stage_direct() {
+    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -q -rfE --tb=short \
+        -p no:cacheprovider >"$OUT/direct.log" 2>&1
+    local rc=$?
+    echo "direct-launch test exit $rc"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/direct.log" | tail -10
+    if [ $rc -ne 0 ]; then export TRANSFORMER_FAST_DIRECT_LAUNCH=0; echo "direct launches off from here on"; fi
+}
 stage_tests() {
     timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid}" -n 14 -q -rfE --tb=short \
         -p no:cacheprovider --durations=10 >"$OUT/tests.log" 2>&1
@@ -96,7 +106,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check tests host host_run attention kernels layer_norm models ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run attention kernels layer_norm models ncu grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"
