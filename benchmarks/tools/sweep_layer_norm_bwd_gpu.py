@@ -1,0 +1,120 @@
+"""Device time of the LayerNorm backward's tile choices on a CUDA GPU, against torch's backward.
+
+    python -m benchmarks.tools.sweep_layer_norm_bwd_gpu [--out FILE.json]
+
+The backward (kernels/layer_norm.py) gives each program a contiguous range of rows and sums its
+weight/bias gradient into one partial row; how many programs, how many elements each handles
+per step, and with how many warps decide how many loads are in flight. This sweeps those three
+over the sweep's device-bound shapes (bf16, with weight and bias) and prints each shape's choices
+by time, torch's native backward beside them. Kernel time only: each timed loop is queued behind
+a `torch.cuda._sleep`, so the GPU never waits for the host. Imports the kernels alone (no C++
+extension needed); runs in about a minute on an H100.
+"""
+import argparse
+import itertools
+import json
+import os
+import statistics
+
+os.environ.setdefault("TRANSFORMER_FAST_DIRECT_LAUNCH", "0")  # no extension needed; kernel time only
+
+import torch  # noqa: E402
+
+import kernels.layer_norm as ln  # noqa: E402
+from kernels._utils import sm_count  # noqa: E402
+
+SHAPES = [(16384, 1024), (65536, 1024), (262144, 1024), (16384, 4096), (8192, 8192)]
+STEP_ELEMENTS = [2048, 4096, 8192]
+WARPS = [4, 8, 16]
+PROGRAMS_PER_SM = [1, 2, 4, 8, 16]
+
+
+def device_ms(fn, reps=20, rounds=3):
+    fn()
+    if not torch.cuda.is_available():  # a dry run of the script under TRITON_INTERPRET=1
+        return 1.0
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        torch.cuda._sleep(20_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def with_choice(step, warps, per_sm):
+    """Patch the backward's tile rule and program count; returns the previous ones."""
+    saved = ln.row_tiles, ln._num_programs
+    plain = saved[0]
+
+    def row_tiles(N, backward=False):
+        block_m, block_n, single, w = plain(N, backward)
+        if backward and single:
+            return max(1, step // block_n), block_n, True, warps
+        return block_m, block_n, single, w
+    ln.row_tiles, ln._num_programs = row_tiles, lambda device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
+    return saved
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--shapes", default=None, help="rows x width list, e.g. 64x32,16x8192 (dry runs)")
+    args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sms = sm_count(dev) if dev.type == "cuda" else 4
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)"
+    print(f"{name}: {sms} SMs; torch {torch.__version__}")
+    results = []
+    for M, N in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        w = torch.randn(N, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(N, device=dev, dtype=torch.bfloat16)
+        _, t_mean, t_rstd = torch.ops.aten.native_layer_norm(x, [N], w, b, 1e-5)
+        mask = [True, True, True]
+        t_dx, t_dw, t_db = torch.ops.aten.native_layer_norm_backward(dy, x, [N], t_mean, t_rstd, w, b, mask)
+        torch_ms = device_ms(lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [N], t_mean, t_rstd, w, b, mask))
+        _, _, mean, rstd = ln.layer_norm_forward(x, None, w, b, 1e-5, False)
+        plain = ln.row_tiles(N, backward=True)
+        rows = []
+        choices = [(None, None, None)] + list(itertools.product(STEP_ELEMENTS, WARPS, PROGRAMS_PER_SM))
+        for step, warps, per_sm in choices:
+            if step is not None and (step < N or not plain[2]):
+                continue  # one row per step is the least; looped rows take no step choice
+            saved = with_choice(step, warps, per_sm) if step is not None else None
+            try:
+                call = lambda: ln.layer_norm_backward(dy, None, x, w, b, mean, rstd, 1e-5, False)  # noqa: E731
+                dx, dw, db = call()
+                err = max((dx.float() - t_dx.float()).abs().max().item(),
+                          (dw.float() - t_dw.float()).abs().max().item() / max(1.0, M ** 0.5),
+                          (db.float() - t_db.float()).abs().max().item() / max(1.0, M ** 0.5))
+                ms = device_ms(call)
+            finally:
+                if saved is not None:
+                    ln.row_tiles, ln._num_programs = saved
+            label = "current" if step is None else f"step {step} warps {warps} programs {per_sm}xSM"
+            rows.append({"choice": label, "ms": ms, "err": err})
+        rows.sort(key=lambda r: r["ms"])
+        gbytes = 3 * M * N * 2 / 1e9
+        print(f"\n== {M} x {N} bf16: torch {torch_ms:.4f} ms ({gbytes / torch_ms:.0f} GB/s); "
+              f"current tiles {plain}")
+        for r in rows[:8] + [r for r in rows[8:] if r["choice"] == "current"]:
+            print(f"  {r['choice']:<36} {r['ms']:.4f} ms  {gbytes / r['ms']:6.0f} GB/s  "
+                  f"torch/ours {torch_ms / r['ms']:.2f}  err {r['err']:.2e}")
+        results.append({"M": M, "N": N, "torch_ms": torch_ms, "choices": rows})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": name, "sms": sms, "torch": torch.__version__,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
