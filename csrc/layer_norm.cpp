@@ -7,7 +7,9 @@
 // Backward, per row: one pass gathers sum(g) and sum(g * xhat) (g = dy * weight) and the
 // weight/bias gradient contributions; a second pass over the cached row writes dx. dweight/dbias
 // are summed into one float32 buffer per block of rows, then reduced in block order: the result
-// is deterministic for a fixed thread count.
+// is deterministic for a fixed thread count. Within a block, rows are summed in chunks of
+// kSumChunk, each chunk's sums added to the block's as it ends, so a column's rounding error
+// grows with kSumChunk + rows / kSumChunk, not with the block's thousands of rows.
 
 // The code below is written for any Vec::size().
 #include "cpu_capability.h"  // first: selects at::vec's ISA
@@ -19,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "op_utils.h"
@@ -30,6 +33,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
 constexpr int64_t kStep = 2 * kVec;  // elements per step: one Vectorized<BFloat16/Half>, two of float
+constexpr int64_t kSumChunk = 64;    // rows per chunk of the weight/bias gradient sums
 
 // Loads/stores kStep elements of T as two float vectors (partial versions for a row's tail).
 template <typename T>
@@ -378,7 +382,7 @@ inline void backward_row(const T* dy, const T* dh, const T* h, T* dx, const floa
 template <typename T, bool kRms>
 void backward_impl(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& w,
                    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dx, at::Tensor& dw_partial,
-                   at::Tensor& db_partial, int64_t num_blocks) {
+                   at::Tensor& db_partial, const at::Tensor& chunk_sums, int64_t num_blocks) {
   const int64_t M = h.size(0), N = h.size(1);
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
   const T* dyp = dy.const_data_ptr<T>();
@@ -391,15 +395,28 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor&
   float* dwp = dw_partial.defined() ? dw_partial.data_ptr<float>() : nullptr;
   float* dbp = db_partial.defined() ? db_partial.data_ptr<float>() : nullptr;
   const int64_t sdy = dy.stride(0), sdh = dh.defined() ? dh.stride(0) : 0, sh = h.stride(0), sdx = dx.stride(0);
-  // Block k owns rows [k*M/num_blocks, (k+1)*M/num_blocks) and partial-sum row k.
+  float* chunks = chunk_sums.defined() ? chunk_sums.data_ptr<float>() : nullptr;  // (num_blocks, 2, padded)
+  // Block k owns rows [k*M/num_blocks, (k+1)*M/num_blocks), partial-sum row k and chunk rows 2k, 2k+1.
   at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
     for (int64_t k = block_begin; k < block_end; ++k) {
       const int64_t row_begin = k * M / num_blocks, row_end = (k + 1) * M / num_blocks;
       float* dw_acc = dwp != nullptr ? dwp + k * padded : nullptr;
       float* db_acc = dbp != nullptr ? dbp + k * padded : nullptr;
-      for (int64_t i = row_begin; i < row_end; ++i) {
-        backward_row<T, kRms>(dyp + i * sdy, dhp != nullptr ? dhp + i * sdh : nullptr, hp + i * sh, dxp + i * sdx,
-                              wp, kRms ? 0.f : meanp[i], rstdp[i], N, dw_acc, db_acc);
+      const bool chunked = chunks != nullptr && row_end - row_begin > kSumChunk;
+      float* dw_chunk = chunked && dw_acc != nullptr ? chunks + 2 * k * padded : nullptr;
+      float* db_chunk = chunked && db_acc != nullptr ? chunks + (2 * k + 1) * padded : nullptr;
+      for (int64_t c = row_begin; c < row_end; c += kSumChunk) {
+        if (dw_chunk != nullptr) std::fill_n(dw_chunk, padded, 0.f);
+        if (db_chunk != nullptr) std::fill_n(db_chunk, padded, 0.f);
+        for (int64_t i = c; i < std::min(row_end, c + kSumChunk); ++i) {
+          backward_row<T, kRms>(dyp + i * sdy, dhp != nullptr ? dhp + i * sdh : nullptr, hp + i * sh,
+                                dxp + i * sdx, wp, kRms ? 0.f : meanp[i], rstdp[i], N,
+                                dw_chunk != nullptr ? dw_chunk : dw_acc, db_chunk != nullptr ? db_chunk : db_acc);
+        }
+        for (auto [acc, chunk] : {std::pair{dw_acc, dw_chunk}, std::pair{db_acc, db_chunk}}) {
+          if (chunk == nullptr) continue;
+          for (int64_t j = 0; j < padded; j += kVec) (Vec::loadu(acc + j) + Vec::loadu(chunk + j)).store(acc + j);
+        }
       }
     }
   });
@@ -495,11 +512,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   };
   at::Tensor dw_partial = partial_sums(w.defined());
   at::Tensor db_partial = partial_sums(has_bias);
+  const bool chunked = (w.defined() || has_bias) && (M + num_blocks - 1) / num_blocks > kSumChunk;
+  const at::Tensor chunk_sums = chunked ? at::empty({num_blocks, 2, padded}, fopts) : at::Tensor();
   at::Tensor dx = new_output({M, N}, h.options());
   const at::Tensor dh_t = has_dh ? *dh : at::Tensor();
   LN_DISPATCH_TYPES(h.scalar_type(), "layer_norm_backward", [&] {
-    if (is_rms) backward_impl<scalar_t, true>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, num_blocks);
-    else backward_impl<scalar_t, false>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, num_blocks);
+    if (is_rms) backward_impl<scalar_t, true>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, chunk_sums,
+                                                num_blocks);
+    else backward_impl<scalar_t, false>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, chunk_sums,
+                                        num_blocks);
   });
   // Final reduce over the blocks, in block order (one block: its row is the sum).
   auto reduce = [&](const at::Tensor& partial, at::ScalarType dtype) {

@@ -234,7 +234,9 @@ def _extras_cases(add, fwd, dkdv, dq):
 _LAYER_NORM_FLOAT_ARGS = ("Mean", "Rstd", "DWPartial", "DBPartial")
 
 
-def _layer_norm_case(fn, name, dtype, tile, flags):
+def _layer_norm_case(fn, name, dtype, tile, flags, aligned_rows=True):
+    """aligned_rows: row strides divisible by 16 as well as the pointers, the launch-time
+    specialization of widths that are multiples of 16 (vectorized loads); off for odd widths."""
     block_m, block_n, single, warps = tile
     constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single)
     signature = {}
@@ -249,16 +251,20 @@ def _layer_norm_case(fn, name, dtype, tile, flags):
             signature[arg] = "fp32"
         else:
             signature[arg] = "i32"
+    divisible = [a for a in fn.arg_names if signature[a].startswith("*") or aligned_rows and a.startswith("stride")]
     on = "".join(k[4] if k.startswith("HAS_") else "rms" for k, v in flags.items() if v) or "plain"
-    return dict(name=f"{name}[{_TYPE[dtype]},{on},m{block_m}n{block_n}{'' if single else 'loop'}w{warps}]",
-                fn=fn, signature=signature, constexprs=constexprs, num_warps=warps, num_stages=1)
+    odd = "" if aligned_rows else ",odd"
+    return dict(name=f"{name}[{_TYPE[dtype]},{on},m{block_m}n{block_n}{'' if single else 'loop'}w{warps}{odd}]",
+                fn=fn, signature=signature, constexprs=constexprs, num_warps=warps, num_stages=1,
+                attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible})
 
 
 def layer_norm_cases():
     """Every tile config (a function of the row width only) in fp16 with every feature on; fp32
     and bf16 with a single-tile and the looped config; the other flag combinations (no residual/dh,
-    weight only, RMS with and without weight, none) with those two configs in fp16. Flags and
-    dtypes change loads and stores, not the tile's register shape."""
+    weight only, RMS with and without weight, none) with those two configs in fp16, the LayerNorm
+    ones with odd row strides (no vectorized row loads). Flags and dtypes change loads and stores,
+    not the tile's register shape."""
     cases = []
     kernels = ((layer_norm.layer_norm_fwd_kernel, "layer_norm_fwd", "HAS_RESIDUAL"),
                (layer_norm.layer_norm_bwd_kernel, "layer_norm_bwd", "HAS_DH"))
@@ -276,7 +282,7 @@ def layer_norm_cases():
             for has_extra, rms, weight, bias in ((False, False, False, False), (True, False, True, False),
                                                  (False, True, False, False), (True, True, True, False)):
                 flags = {extra: has_extra, "HAS_WEIGHT": weight, "HAS_BIAS": bias, "IS_RMS": rms}
-                cases.append(_layer_norm_case(kernel, name, torch.float16, tile, flags))
+                cases.append(_layer_norm_case(kernel, name, torch.float16, tile, flags, aligned_rows=rms))
     return cases
 
 

@@ -1,6 +1,7 @@
 """LayerNorm / RMSNorm with the fused residual add: every backend against the float64 reference
 (tests/helpers.py policy) and against torch.nn.LayerNorm / nn.RMSNorm, forward and every gradient."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -94,11 +95,29 @@ def test_triton_against_reference(width, dtype):
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "cpp"])
-def test_many_narrow_rows(backend):
-    """Several programs/threads, each with several row tiles, and their partial weight gradients."""
+def test_rows_over_several_programs(backend):
+    """Several programs/threads, each with several row tiles (the last ragged), and their partial
+    weight gradients."""
     _skip_unavailable(backend)
-    _check(backend, (300,), 7, torch.float32, False, True, True, True)
-    _check(backend, (3, 70), 33, torch.float16, True, True, False, False)
+    for lead, width, dtype, flags in (((70,), 1000, torch.float32, (False, True, True, True)),
+                                      ((2, 41), 2000, torch.float16, (True, True, False, False))):
+        if backend == "triton":  # the interpreter's 4 backward programs take 2+ row tiles each
+            from transformer_fast.kernels.layer_norm import row_tiles
+
+            block_m = row_tiles(width, backward=True)[0]
+            assert math.prod(lead) > 4 * 2 * block_m and math.prod(lead) % block_m, (lead, block_m)
+        _check(backend, lead, width, dtype, *flags)
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.gpu)])
+def test_weight_gradient_over_many_rows(backend):
+    """dweight and dbias sum thousands of rows per thread or program: within 2x torch's error too.
+    (Triton on a GPU only: the interpreter's tl.sum is numpy's, which adds a tile's rows in order.)"""
+    _skip_unavailable(backend)
+    device = "cuda" if backend == "triton" else "cpu"
+    _check(backend, (5888,), 7, torch.float32, False, True, True, True, device=device)
+    _check(backend, (3, 2000), 96, torch.float32, False, True, True, False, device=device)
+    _check(backend, (4100,), 1000, torch.float32, True, True, False, False, device=device)
 
 
 @pytest.mark.triton
