@@ -58,6 +58,16 @@ OTHER_RECORDS = {
     "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
                                                          "timed alone on an H100 (benchmarks/tools/sweep_attention_"
                                                          "tiles_gpu.py): the source of the bf16/fp16 backward tables",
+    "compile-check-layer-norm-bwd-tiles-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with the backward's "
+                                                         "tile table, compiled for sm_80 and sm_90 with the launch-"
+                                                         "time specialization: registers and spills",
+    "cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt": "the LayerNorm backward's steps, warps and programs per SM timed "
+                                                     "on an H100 against torch's backward (kernel time): the source "
+                                                     "of the backward's tile table",
+    "cuda-h100-host-2026-11-26.txt": "host time per call on an H100's machine, ours and torch's, with direct launches "
+                                     "and without them (TRANSFORMER_FAST_DIRECT_LAUNCH=0), and where the time goes",
+    "cuda-h100-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H100 with direct launches: the direct-launch "
+                                          "test (bitwise Triton's results) and the rest without the full grids",
     "cuda-h100-gpu-tests-2026-11-23.txt": "the `gpu`-marked tests on an H100: summary of each run, and the "
                                           "head-dim pairs that located the Triton 3.6 miscompilation",
 }

@@ -87,8 +87,7 @@ def _cpu_rows(latest, prefix, name):
                      f"{d['forward_ratio']:.2f}x / {d['forward_backward_ratio']:.2f}x `x + r` then `F.layer_norm`; "
                      f"forward at {100 * d['forward_gb_per_s'] / d['copy_gb_per_s']:.0f}% of a copy's bandwidth",
                      _day(entry["created"]), _link(entry["file"], prefix)])
-    for entry in latest.get((name, "sweep", ""), [])[:1]:
-        rows += _sweep_rows(entry, prefix, cpu=True)
+    rows += _latest_sweep_rows(latest.get((name, "sweep", ""), []), prefix, cpu=True)[0]
     for entry in latest.get((name, "host", ""), [])[:1]:
         rows += _host_rows(entry, prefix)
     for entry in latest.get((name, "models", ""), [])[:1]:
@@ -225,6 +224,22 @@ def _sweep_rows(entry, prefix, cpu):
     return rows
 
 
+def _latest_sweep_rows(newest_first, prefix, cpu):
+    """(rows, files): each kind of sweep row (softmax attention against torch, linear attention,
+    LayerNorm, crossover, training step) from the newest sweep that measured it: a run of one
+    family (`--only layer_norm`) supersedes only that family's rows."""
+    rows, files, taken = [], [], set()
+    for entry in newest_first:
+        got = _sweep_rows(entry, prefix, cpu)
+        kinds = {r[0].split(",")[0] for r in got}
+        fresh = [r for r in got if r[0].split(",")[0] not in taken]
+        if fresh:
+            rows += fresh
+            files.append(entry)
+        taken |= kinds
+    return rows, files
+
+
 def _gpu_grid_rows(newest_first, prefix, against):
     """The headline rows of the GPU attention grid timed against one torch backend."""
     rows = []
@@ -262,8 +277,8 @@ def _gpu_rows(latest, prefix, name):
                                                                                      "{:.3f}") + " torch flash",
                      _range([r["ours_tflops"] for r in got], "{:.0f}", " TFLOP/s"), _day(entry["created"]),
                      _link(entry["file"], prefix)])
-    for entry in latest.get((name, "sweep", ""), [])[:1]:
-        rows += [r[:2] + ["-"] + r[2:] for r in _sweep_rows(entry, prefix, cpu=False)]
+    rows += [r[:2] + ["-"] + r[2:] for r in _latest_sweep_rows(latest.get((name, "sweep", ""), []), prefix,
+                                                                 cpu=False)[0]]
     for entry in latest.get((name, "models", ""), [])[:1]:
         rows += [r[:2] + ["-"] + r[2:] for r in _models_rows(entry, prefix)]
     return rows
@@ -317,6 +332,9 @@ def _latest_table(folder, prefix):
         if suite == "target_gpu_attention" and backend.startswith("triton"):
             used = [e for e in newest_first if e["file"] in {r["file"] for r in summary.latest_gpu_grid_rows(
                 newest_first)}]
+        elif suite == "sweep":
+            used = _latest_sweep_rows(newest_first, prefix, cpu=newest_first[0]["device"].get("type") == "cpu")[1] \
+                or newest_first[:1]
         for e in used:
             rows.append([name, SUITE_TEXT.get(suite, suite) + (f" ({backend})" if backend
                                                                                           else ""),
@@ -338,6 +356,6 @@ def index_markdown(folder=summary.RESULTS):
     return "\n".join([
         "# Benchmark results", "",
         "The latest run of each suite on each device (a GPU grid run that re-measured part of the grid after a "
-        "kernel change supersedes only that part). Written by `python -m benchmarks.run`; this index by "
+        "kernel change, or a sweep of one family, supersedes only that part). Written by `python -m benchmarks.run`; this index by "
         "`python -m benchmarks.report`. Earlier runs are in git's history.", "",
         _latest_table(folder, ""), "", "## Other records", "", _table(["file", "what"], others), ""])

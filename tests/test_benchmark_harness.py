@@ -505,6 +505,24 @@ def test_a_partial_gpu_grid_run_supersedes_only_what_it_measured():
         ("bfloat16", "fwd+bwd"): "new.json", ("bfloat16", "fwd"): "old.json", ("float16", "fwd"): "old.json"}
 
 
+def test_a_sweep_of_one_family_supersedes_only_its_rows():
+    def entry(name, created, families):
+        cases = [{"family": f, "impl": impl, "config_label": label, "seq_len": 1024, "status": "ok",
+                  "speedup_vs_baseline": 2.0 if name == "new.json" else 1.0}
+                 for f, impl, label in (("attention", "ours_linear", "causal, fwd"),
+                                        ("layer_norm", "ours", "+ residual, fwd")) if f in families]
+        settings = {"batch": 4, "heads": 16, "head_dim": 64, "seq_lens": [1024], "ln_width": 1024}
+        return {"file": name, "created": created, "data": {"settings": settings, "dtype": "bfloat16", "cases": cases}}
+
+    old = entry("old.json", "2026-01-01", ("attention", "layer_norm"))
+    new = entry("new.json", "2026-01-02", ("layer_norm",))
+    rows, used = tables._latest_sweep_rows([new, old], "", cpu=False)
+    assert {r[0].split(",")[0]: (r[1].split()[0], r[-1]) for r in rows} == {
+        "fused residual + LayerNorm": ("2.00x", "[`new.md`](new.md)"),
+        "linear attention": ("1.00x", "[`old.md`](old.md)")}
+    assert [e["file"] for e in used] == ["new.json", "old.json"]
+
+
 def test_generated_tables_are_up_to_date():
     """README.md, docs/performance.md and benchmarks/results/INDEX.md hold what the report tool
     makes of the committed results (run `python -m benchmarks.report` after adding results)."""

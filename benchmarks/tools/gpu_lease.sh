@@ -15,6 +15,7 @@
 #   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
 #   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
+#   ln_bwd     the LayerNorm backward's tile choices against its table (tools/sweep_layer_norm_bwd_gpu)
 #   models     the encoder-decoder and BERT on the GPU (bf16 autocast), then the Llama-like decoder
 #   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
 #   grids      the full grids of the gpu tests, in what time is left
@@ -83,6 +84,12 @@ stage_kernels() {
     grep -E "^==|^  (ours|torch):" "$OUT/kernels.log"
 }
 stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; pack; }
+stage_ln_bwd() {
+    timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.sweep_layer_norm_bwd_gpu \
+        --out "$OUT/results/layer_norm_bwd_sweep.json" >"$OUT/ln_bwd.log" 2>&1
+    echo "sweep_layer_norm_bwd_gpu exit $?"
+    grep -E "^==|current" "$OUT/ln_bwd.log"; pack
+}
 stage_models() {
     timeout -s INT "$(cap 150)" "${BENCH[@]}" --only models --device cuda --model-families encdec,bert --budget 1 \
         --repeats 10 --min-repeats 3 2>&1 | tail -12; pack
@@ -106,7 +113,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run attention kernels layer_norm models ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run attention kernels layer_norm ln_bwd models ncu grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"

@@ -49,7 +49,7 @@ def device_ms(fn, reps=20, rounds=3):
 
 def with_choice(step, warps, per_sm):
     """Patch the backward's tile rule and program count; returns the previous ones."""
-    saved = ln.row_tiles, ln._num_programs
+    saved = ln.row_tiles, ln.backward_programs
     plain = saved[0]
 
     def row_tiles(N, backward=False):
@@ -57,7 +57,8 @@ def with_choice(step, warps, per_sm):
         if backward and single:
             return max(1, step // block_n), block_n, True, warps
         return block_m, block_n, single, w
-    ln.row_tiles, ln._num_programs = row_tiles, lambda device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
+    ln.row_tiles = row_tiles
+    ln.backward_programs = lambda N, device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
     return saved
 
 
@@ -99,11 +100,11 @@ def main():
                 ms = device_ms(call)
             finally:
                 if saved is not None:
-                    ln.row_tiles, ln._num_programs = saved
+                    ln.row_tiles, ln.backward_programs = saved
             label = "current" if step is None else f"step {step} warps {warps} programs {per_sm}xSM"
             rows.append({"choice": label, "ms": ms, "err": err})
         rows.sort(key=lambda r: r["ms"])
-        gbytes = 3 * M * N * 2 / 1e9
+        gbytes = 3 * M * N * 2 / 1e6  # dy and h read, dx written; per ms: GB/s
         print(f"\n== {M} x {N} bf16: torch {torch_ms:.4f} ms ({gbytes / torch_ms:.0f} GB/s); "
               f"current tiles {plain}")
         for r in rows[:8] + [r for r in rows[8:] if r["choice"] == "current"]:
