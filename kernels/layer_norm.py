@@ -23,7 +23,7 @@ ROW_TILE = 4096   # elements per forward program for narrow rows (BLOCK_M * BLOC
 # the best of 45 choices on an H100 (bf16, weight and bias; every choice within 2% of each
 # width's best, benchmarks/results/cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt). Each program
 # walks its rows one step at a time, so the loads in flight per SM set the speed: few warps, each
-# thread holding 16-64 elements of a step, ran 1.1-4.6x faster than 8 warps on 2048-element steps.
+# thread holding 16-64 elements of a step, ran 1.2-5.0x faster than 8 warps on 2048-element steps.
 BWD_TILES = {1024: (4096, 4, 8), 2048: (8192, 4, 2), 4096: (4096, 8, 2), 8192: (8192, 16, 1)}
 BWD_NARROW_TILE = (8192, 4, 2)  # rows up to 512 wide
 
