@@ -8,15 +8,16 @@
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
 #   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
 #              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
-#   tests      the gpu-marked tests without the full grids (pytest -k "not full_grid", 14 workers)
+#   tests      the gpu-marked tests without the attention and linear-attention full grids (the
+#              LayerNorm grid is short and stays in), 14 workers
 #   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
 #              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
-#   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
-#   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
 #   ln_bwd     the LayerNorm backward's tile choices against its table (tools/sweep_layer_norm_bwd_gpu)
 #   models     the encoder-decoder and BERT on the GPU (bf16 autocast), then the Llama-like decoder
+#   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
+#   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
 #   grids      the full grids of the gpu tests, in what time is left
 #
@@ -60,7 +61,7 @@ stage_direct() {
     if [ $rc -ne 0 ]; then export TRANSFORMER_FAST_DIRECT_LAUNCH=0; echo "direct launches off from here on"; fi
 }
 stage_tests() {
-    timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid}" -n 14 -q -rfE --tb=short \
+    timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid or layer_norm}" -n 14 -q -rfE --tb=short \
         -p no:cacheprovider --durations=10 >"$OUT/tests.log" 2>&1
     echo "pytest exit $?"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -40
@@ -113,7 +114,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run attention kernels layer_norm ln_bwd models ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run layer_norm ln_bwd models attention kernels ncu grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"
