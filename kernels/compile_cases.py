@@ -251,7 +251,7 @@ def _layer_norm_case(fn, name, dtype, tile, flags, aligned_rows=True):
             signature[arg] = "fp32"
         else:
             signature[arg] = "i32"
-    divisible = [a for a in fn.arg_names if signature[a].startswith("*") or aligned_rows and a.startswith("stride")]
+    divisible = [a for a in fn.arg_names if signature[a].startswith("*") or (aligned_rows and a.startswith("stride"))]
     on = "".join(k[4] if k.startswith("HAS_") else "rms" for k, v in flags.items() if v) or "plain"
     odd = "" if aligned_rows else ",odd"
     return dict(name=f"{name}[{_TYPE[dtype]},{on},m{block_m}n{block_n}{'' if single else 'loop'}w{warps}{odd}]",

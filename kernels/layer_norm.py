@@ -243,12 +243,12 @@ def row_tiles(N, backward=False):
     return block_m, block_n, True, max(1, min(8, block_m * block_n // 512))
 
 
-def backward_programs(N, device):
-    """How many programs the backward spreads its rows over (each writes one partial-sum row)."""
+def backward_programs(block_n, single, device):
+    """How many programs the backward of row_tiles' (.., block_n, single, ..) spreads its rows
+    over (each writes one partial-sum row)."""
     if interpreting() or device.type != "cuda":
         return 4
-    per_sm = BWD_TILES.get(max(MIN_TILE, next_power_of_2(N)), BWD_NARROW_TILE)[2] if N <= MAX_TILE else 2
-    return per_sm * sm_count(device)
+    return (BWD_TILES.get(block_n, BWD_NARROW_TILE)[2] if single else 2) * sm_count(device)
 
 
 def all_row_tiles(backward):
@@ -321,7 +321,7 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     mean = rstd if is_rms else mean.contiguous()
     dx = new_output((M, N), h.dtype, h.device)
     block_m, block_n, single, warps = row_tiles(N, backward=True)
-    rows_per_program = cdiv(M, backward_programs(N, h.device))
+    rows_per_program = cdiv(M, backward_programs(block_n, single, h.device))
     if single:
         rows_per_program = cdiv(rows_per_program, block_m) * block_m
     programs = max(1, cdiv(M, rows_per_program))

@@ -58,7 +58,7 @@ def with_choice(step, warps, per_sm):
             return max(1, step // block_n), block_n, True, warps
         return block_m, block_n, single, w
     ln.row_tiles = row_tiles
-    ln.backward_programs = lambda N, device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
+    ln.backward_programs = lambda block_n, single, device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
     return saved
 
 
