@@ -5,7 +5,8 @@
 //   * their argument checks alone (*_args), for the paths that run a backend other than the
 //     dispatcher's (backend=..., the torch.func transforms);
 //   * the kernel-level functions, for those paths;
-//   * the signature of a Triton launch's arguments (launch_signature.cpp), for kernels/_launch.py.
+//   * the signatures of an op kernel's call and of a Triton launch's arguments (launch_signature.cpp),
+//     for kernels/_launch.py.
 #include "launch_signature.h"
 #include "ops.h"
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
@@ -161,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
+  m.def("call_signature", &tf::call_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   m.def("layer_norm_forward", &tf::layer_norm_forward);
   m.def("layer_norm_backward", &tf::layer_norm_backward);

@@ -24,7 +24,16 @@ installed (profilers such as Proton), with an argument of another type (None, a 
 descriptor), and with TRANSFORMER_FAST_DIRECT_LAUNCH=0. What `run` checks on every call is
 checked on the first call of a pattern only: Triton's settings (its knobs: debug mode,
 instrumentation) and that the globals a kernel reads have not changed since it compiled; `forget`
-drops the entries after changing them."""
+drops the entries after changing them.
+
+Launch plans go one step further, for the launchers' hot paths: a launcher works out, once per
+call signature (`call_signature`: its arguments' dtypes, devices, sizes, strides, addresses mod 16
+and values, csrc/launch_signature.cpp), everything a launch takes but the call's tensors (and a
+dropout seed), as `LaunchPlan`s; `run(plan, tensors)` then launches the plan's compiled kernel
+with no key built and nothing looked up. That is sound because each launch argument of a plan is
+then fixed by the signature (grids, strides, flags, tiles) or is one of the call's tensors, whose
+dtypes and alignments the signature fixes too, or a new output (aligned by its allocator); the
+seed's value enters the signature by what Triton specialises on (`seed_class`)."""
 import os
 import threading
 import weakref
@@ -35,7 +44,7 @@ _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
 # The launcher call below is Triton's own (JITFunction.run) from 3.6 on, the versions checked
 # (3.6 and 3.9); older ones launch through Triton's run.
 _FIRST_DIRECT_TRITON = (3, 6)
-_MAX_ENTRIES = 4096  # per kernel; a full table starts again (shapes that change every call)
+_MAX_ENTRIES = 4096  # per kernel or launcher; a full table starts again (shapes that change every call)
 
 
 def _triton_version():
@@ -60,6 +69,7 @@ class CompiledLaunch:
         self.kernel = kernel  # a triton.JITFunction (an InterpretedFunction under the interpreter)
         self.direct = _DIRECT and not interpreting() and _triton_version() >= _FIRST_DIRECT_TRITON
         self.entries = {}
+        self.generation = 0  # counts `forget`s: a plan's direct launch is of the generation it was made in
         self._driver = None
         self._signature = None
         self._pre_run_hooks = getattr(kernel, "pre_run_hooks", ())  # Triton's list: hooks added later show
@@ -73,28 +83,52 @@ class CompiledLaunch:
 
     def forget(self):
         self.entries.clear()
+        self.generation += 1
 
     def launch(self, grid, args, kwargs):
-        """Launches the kernel over `grid` with positional `args` and keyword `kwargs`."""
+        """Launches the kernel over `grid` with positional `args` and keyword `kwargs`. Returns
+        ((compiled kernel, tail), device) where it launched directly or made the entry for the
+        next such call, else None."""
         if self.direct and self._driver is None:
             self._bind()
         if not self.direct:
-            return self.kernel[grid](*args, **kwargs)
+            self.kernel[grid](*args, **kwargs)
+            return None
         driver, runtime = self._driver
         device = driver.get_current_device()
         key = self._key(device, args, kwargs)
         entry = self.entries.get(key) if key is not None else None
         if entry is None or _launch_hooks_installed(runtime) or self._pre_run_hooks:
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
-            if key is not None and entry is None:
-                self._remember(key, compiled, len(args), kwargs)
-            return
+            if key is None or entry is not None:
+                return None
+            entry = self._remember(key, compiled, len(args), kwargs)
+            return None if entry is None else (entry, device)
         compiled, tail = entry
-        if callable(grid):
-            grid = grid(kwargs)  # the constexprs and the compile options by name
-        n = len(grid)
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.get_current_stream(device),
-                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+        gx, gy, gz = _grid3(grid, kwargs)
+        compiled.run(gx, gy, gz, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *tail)
+        return entry, device
+
+    def run(self, plan, tensors, seed=0):
+        """Launches `plan` (a LaunchPlan of this kernel) with the call's `tensors` and `seed`."""
+        args = plan.args(tensors, seed)
+        if not self.launch_planned(plan, args):
+            plan.remember(self, self.launch(plan.grid, args, plan.kwargs), plan.kwargs)
+
+    def launch_planned(self, plan, args):
+        """Launches `plan`'s compiled kernel with `args` where it is known and current; True if it did."""
+        direct = plan.direct
+        if direct is None or not self.direct:
+            return False
+        compiled, grid, tail, device, generation = direct
+        driver, runtime = self._driver
+        if generation != self.generation or driver.get_current_device() != device or \
+                _launch_hooks_installed(runtime) or self._pre_run_hooks:
+            return False
+        compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *tail)
+        return True
 
     def _bind(self):
         from triton import knobs
@@ -118,15 +152,16 @@ class CompiledLaunch:
         """Keeps `compiled` for `key`, with the values of the parameters after the positional
         arguments (constexprs, which the launcher skips), in signature order as Triton passes them."""
         if compiled is None or not hasattr(compiled, "packed_metadata"):  # a warm-up, or an async compile's future
-            return
+            return None
         tail = []
         for param in self.kernel.params[n_args:]:
             if not param.is_constexpr:  # a run-time argument given by name: leave every such call to Triton
-                return
+                return None
             tail.append(kwargs[param.name] if param.name in kwargs else param.default)
         if len(self.entries) >= _MAX_ENTRIES:
             self.entries.clear()
-        self.entries[key] = (compiled, tuple(tail))
+        entry = self.entries[key] = (compiled, tuple(tail))
+        return entry
 
 
 class TunedLaunch:
@@ -157,7 +192,89 @@ class TunedLaunch:
             kwargs.update(config)
             self.compiled.launch(grid, args, kwargs)
 
+    def run(self, plan, tensors, seed=0):
+        """Launches `plan` (a LaunchPlan of this kernel, its `key` the choice's) with the call's
+        `tensors` and `seed`."""
+        args = plan.args(tensors, seed)
+        if self.compiled.launch_planned(plan, args):
+            return
+        config = self.chosen.get(plan.key)
+        if config is None:
+            self(plan.key, plan.grid, *args, **plan.kwargs)
+            return
+        kwargs = {**plan.kwargs, **config}
+        plan.remember(self.compiled, self.compiled.launch(plan.grid, args, kwargs), kwargs)
+
     def forget(self):
         self.chosen.clear()
         self.autotuned.cache.clear()
         self.compiled.forget()
+
+
+def _grid3(grid, kwargs):
+    """`grid` (a tuple, or a function of the constexprs and compile options by name) as 3 ints."""
+    if callable(grid):
+        grid = grid(kwargs)
+    n = len(grid)
+    return grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+
+
+class LaunchPlan:
+    """One launch with everything but its tensors (and a dropout seed) fixed: made by a launcher
+    once per call signature (module docstring), launched by its kernel's `run` with each call's
+    tensors. The positional arguments are the tensors, then `scalars` (the seed at `seed_at`)."""
+
+    __slots__ = ("grid", "scalars", "kwargs", "key", "seed_at", "direct")
+
+    def __init__(self, grid, scalars, kwargs, key=None, seed_at=None):
+        self.grid, self.scalars, self.kwargs, self.key, self.seed_at = grid, tuple(scalars), kwargs, key, seed_at
+        self.direct = None  # (compiled kernel, grid, tail, device, generation) once known
+
+    def args(self, tensors, seed):
+        if self.seed_at is None:
+            return (*tensors, *self.scalars)
+        return (*tensors, *self.scalars[:self.seed_at], seed, *self.scalars[self.seed_at + 1:])
+
+    def remember(self, launch, launched, kwargs):
+        """Keeps the compiled kernel `launch.launch` returned (`launched`), for the next calls."""
+        if launched is not None:
+            (compiled, tail), device = launched
+            self.direct = (compiled, _grid3(self.grid, kwargs), tail, device, launch.generation)
+
+
+def seed_class(seed):
+    """What Triton specialises on of an int argument's value (1, a multiple of 16, its width):
+    a dropout seed's part of a call signature, as its value changes from call to call."""
+    return seed == 1, seed % 16 == 0, -2 ** 31 <= seed < 2 ** 31, -2 ** 63 <= seed < 2 ** 63
+
+
+class Plans:
+    """A launcher's plans by call signature. `get(args, extra)` returns the plan for the call
+    whose arguments are `args` (and `extra`, what else the plan depends on), made by `make(*args)`
+    where there is none yet; a call the signature cannot describe is planned afresh each time."""
+
+    instances = weakref.WeakSet()  # every launcher's, for tools that drop every compiled kernel
+
+    def __init__(self, make):
+        self.make = make
+        self.plans = {}
+        self._signature = None
+        Plans.instances.add(self)
+
+    def get(self, args, extra=None):
+        if self._signature is None:
+            from transformer_fast import _build  # here, not at import: this package also imports alone
+
+            self._signature = _build.extension().call_signature
+        signature = self._signature((args, extra))
+        plan = self.plans.get(signature) if signature is not None else None
+        if plan is None:
+            plan = self.make(*args)
+            if signature is not None:
+                if len(self.plans) >= _MAX_ENTRIES:
+                    self.plans.clear()
+                self.plans[signature] = plan
+        return plan
+
+    def clear(self):
+        self.plans.clear()

@@ -28,10 +28,11 @@ accumulation.
 """
 
 import functools
+import types
 
 import torch
 
-from ._launch import CompiledLaunch, TunedLaunch
+from ._launch import CompiledLaunch, LaunchPlan, Plans, TunedLaunch, seed_class
 from ._utils import LAUNCH_OPTIONS, cdiv, new_output, new_output_in_rows_of, row_strides
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
@@ -60,13 +61,15 @@ def _mask_kind(attn_mask):
     return 1 if attn_mask.dtype == torch.bool else 2
 
 
-def _mask_args(attn_mask, q):
-    """(tensor, 4 strides); q stands in for an absent mask (never read)."""
+def _mask_bytes(attn_mask, q):
+    """The mask as the kernels read it (a bool mask as bytes); q stands in for none (never read)."""
     if attn_mask is None:
-        return q, (0, 0, 0, 0)
-    if attn_mask.dtype == torch.bool:
-        return attn_mask.view(torch.uint8), attn_mask.stride()
-    return attn_mask, attn_mask.stride()
+        return q
+    return attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+
+
+def _mask_strides(attn_mask):
+    return (0, 0, 0, 0) if attn_mask is None else attn_mask.stride()
 
 
 def _dmask_dtype(attn_mask, q):
@@ -74,19 +77,19 @@ def _dmask_dtype(attn_mask, q):
     return torch.float32 if attn_mask is not None and attn_mask.dtype == torch.float32 else q.dtype
 
 
-def _padding_args(key_padding_mask, q):
-    """(padding bytes, 2 strides); q stands in for an absent mask (never read). The kernels find
-    each sequence's unpadded key range themselves."""
-    if key_padding_mask is None:
-        return q, (0, 0)
-    return key_padding_mask.view(torch.uint8), key_padding_mask.stride()
+def _padding_bytes(key_padding_mask, q):
+    """The padding mask as bytes; q stands in for none (never read). The kernels find each
+    sequence's unpadded key range themselves."""
+    return q if key_padding_mask is None else key_padding_mask.view(torch.uint8)
 
 
-def _alibi_args(alibi_slopes, q):
-    """(slopes, 2 strides) of the (B, H) float32 view; q stands in for none."""
-    if alibi_slopes is None:
-        return q, (0, 0)
-    return alibi_slopes, alibi_slopes.stride()
+def _padding_strides(key_padding_mask):
+    return (0, 0) if key_padding_mask is None else key_padding_mask.stride()
+
+
+def _alibi_strides(alibi_slopes):
+    """The (B, H) float32 slopes' strides; (0, 0) for none."""
+    return (0, 0) if alibi_slopes is None else alibi_slopes.stride()
 
 
 _NO_WINDOW = (-1, -1)
@@ -161,9 +164,10 @@ def _window_keys(window, rows, keys):
     return min(keys, left + 1 + rows + max(right, 0))
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
-                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0):
+def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap, alibi_slopes,
+                  sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits):
+    """attention_forward's launches for one call signature (kernels/_launch.py): the outputs' shapes
+    and the forward's (and the split combine's) LaunchPlan."""
     packed = cu_seq_q is not None
     if packed:
         layout = 2 if block_table is not None else 1
@@ -183,8 +187,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
             v_strides = (0, v.stride(1), v.stride(0))
             n_k = k.shape[0]
         n_q, rows, keys = Tq, int(max_q), int(max_k)
-        out = new_output((Tq, H, Dv), q.dtype, q.device)
-        lse = new_output((H, Tq), torch.float32, q.device)
+        out_shape, lse_shape = (Tq, H, Dv), (H, Tq)
         out_strides, lse_strides = (0, 1, H), (0, Tq)  # out's in rows of Dv elements
         n_lse, drop_stride = H * Tq, keys
     else:
@@ -194,9 +197,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         num_pages, page_size = 0, 1
         q_strides, k_strides, v_strides = q.stride()[:3], k.stride()[:3], v.stride()[:3]
         rows, keys = n_q, n_k
-        out, out_strides = new_output_in_rows_of(q, Dv)  # out's strides in rows of Dv elements
-        lse = new_output((B, H, n_q), torch.float32, q.device)
-        lse_strides = (H * n_q, n_q)
+        out_shape, out_strides = None, new_output_in_rows_of(q, Dv)[1]  # out's strides in rows of Dv elements
+        lse_shape, lse_strides = (B, H, n_q), (H * n_q, n_q)
         n_lse, drop_stride = B * H * n_q, n_k
     window = _window(window, rows, keys, packed)
     group = H // Hk
@@ -205,15 +207,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     rows_per_program = rows * group if packs else rows
     splits = plan_splits(int(num_splits), B * heads * max(1, cdiv(rows_per_program, 64)),
                          _window_keys(window, rows, keys), q.device, dropout_p)
-    if splits > 1:
-        out_part = torch.empty(splits, n_lse, Dv, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits, n_lse, dtype=torch.float32, device=q.device)
-    else:
-        out_part, lse_part = out, lse
     _check_batch(B + (1 if packed else 0))
-    mask, mask_strides = _mask_args(attn_mask, q)
-    pad, pad_strides = _padding_args(key_padding_mask, q)
-    alibi, alibi_strides = _alibi_args(alibi_slopes, q)
     qk_scale, softcap2 = _scales(scale, softcap)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window, softcap, alibi_slopes,
                         layout)
@@ -222,31 +216,61 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     bucket = length_bucket(rows_per_program, keys)
     key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), _dtype(sinks), bucket, seqused_k is not None,
            splits > 1, packs, *meta.values())
-    launch_fwd(
-        key, grid,
-        q, k, v, out, lse, mask, pad, alibi, q if sinks is None else sinks, q if cu_seq_q is None else cu_seq_q,
-        q if cu_seq_k is None else cu_seq_k, q if seqused_k is None else seqused_k,
-        q if block_table is None else block_table, out_part, lse_part,
-        *q_strides, *k_strides, *v_strides, *out_strides, *lse_strides, *mask_strides, *pad_strides, *alibi_strides,
-        0 if block_table is None else block_table.stride(0),
-        H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], splits, n_lse,
-        qk_scale, softcap2, float(dropout_p), int(seed), drop_stride, bucket, **meta,
-        HAS_SINKS=sinks is not None, HAS_SEQUSED=seqused_k is not None, SPLIT=splits > 1, PACK_GQA=packs,
-        **LAUNCH_OPTIONS)
+    before_seed = (*q_strides, *k_strides, *v_strides, *out_strides, *lse_strides, *_mask_strides(attn_mask),
+                   *_padding_strides(key_padding_mask), *_alibi_strides(alibi_slopes),
+                   0 if block_table is None else block_table.stride(0),
+                   H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], splits, n_lse,
+                   qk_scale, softcap2, float(dropout_p))
+    forward = LaunchPlan(grid, (*before_seed, 0, drop_stride, bucket),
+                         dict(**meta, HAS_SINKS=sinks is not None, HAS_SEQUSED=seqused_k is not None,
+                              SPLIT=splits > 1, PACK_GQA=packs, **LAUNCH_OPTIONS),
+                         key=key, seed_at=len(before_seed))
+    combine = None
     if splits > 1:
         block_r, warps = combine_launch_shape(meta["BLOCK_DV"])
-        launch_combine[(cdiv(n_lse, block_r),)](
-            out_part, lse_part, out, lse, q if sinks is None else sinks, n_lse, splits, H, n_q, *out_strides,
-            HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, HAS_SINKS=sinks is not None, num_warps=warps,
-            **LAUNCH_OPTIONS)
+        combine = LaunchPlan((cdiv(n_lse, block_r),), (n_lse, splits, H, n_q, *out_strides),
+                             dict(HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, HAS_SINKS=sinks is not None,
+                                  num_warps=warps, **LAUNCH_OPTIONS))
+    return types.SimpleNamespace(Dv=Dv, out_shape=out_shape, lse_shape=lse_shape, splits=splits, n_lse=n_lse,
+                                 forward=forward, combine=combine)
+
+
+_forward_plans = Plans(_forward_plan)
+
+
+def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
+                      block_table=None, max_q=0, max_k=0, num_splits=0):
+    seed = int(seed)
+    plan = _forward_plans.get((q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap,
+                               alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
+                               num_splits), seed_class(seed))
+    if plan.out_shape is None:
+        out, _ = new_output_in_rows_of(q, plan.Dv)
+    else:
+        out = new_output(plan.out_shape, q.dtype, q.device)
+    lse = new_output(plan.lse_shape, torch.float32, q.device)
+    if plan.splits > 1:
+        out_part = torch.empty(plan.splits, plan.n_lse, plan.Dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(plan.splits, plan.n_lse, dtype=torch.float32, device=q.device)
+    else:
+        out_part, lse_part = out, lse
+    sinks_or_q = q if sinks is None else sinks
+    launch_fwd.run(plan.forward, (
+        q, k, v, out, lse, _mask_bytes(attn_mask, q), _padding_bytes(key_padding_mask, q),
+        q if alibi_slopes is None else alibi_slopes, sinks_or_q, q if cu_seq_q is None else cu_seq_q,
+        q if cu_seq_k is None else cu_seq_k, q if seqused_k is None else seqused_k,
+        q if block_table is None else block_table, out_part, lse_part), seed)
+    if plan.combine is not None:
+        launch_combine.run(plan.combine, (out_part, lse_part, out, lse, sinks_or_q))
     return out, lse
 
 
 def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                          window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0,
                          max_k=0):
-    """What the dK/dV and dQ kernels share: (pointer arguments after their own outputs ... as a
-    dict of named pieces, the constexprs). See attention_backward for their use."""
+    """What the dK/dV and dQ kernels share: the arguments after their tensors, as a dict of named
+    pieces, and the constexprs (`seed` at scalars[seed_at]). See _backward_plan for their use."""
     packed = cu_seq_q is not None
     if packed:
         Tq, H, D = q.shape
@@ -261,29 +285,27 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
         rows, keys = n_q, n_k
         strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()[:3], (H * n_q, n_q))
     window = _window(window, rows, keys, packed)
-    mask, mask_strides = _mask_args(attn_mask, q)
-    pad, pad_strides = _padding_args(key_padding_mask, q)
-    alibi, alibi_strides = _alibi_args(alibi_slopes, q)
     qk_scale, softcap2 = _scales(scale, softcap)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window, softcap, alibi_slopes,
                         1 if packed else 0)
     bucket = length_bucket(rows, keys)
+    before_seed = (H, H // Hk, n_q, n_k, B, window[0], window[1], qk_scale, softcap2, float(scale), float(dropout_p))
     return dict(packed=packed, B=B, H=H, Hk=Hk, n_q=n_q, n_k=n_k, rows=rows, keys=keys, bucket=bucket, strides=strides,
-                masks=(mask, pad, alibi, q if cu_seq_q is None else cu_seq_q, q if cu_seq_k is None else cu_seq_k),
-                mask_strides=(*mask_strides, *pad_strides, *alibi_strides),
-                scalars=(H, H // Hk, n_q, n_k, B, window[0], window[1], qk_scale, softcap2, float(scale),
-                         float(dropout_p), int(seed), keys if packed else n_k, bucket),
+                mask_strides=(*_mask_strides(attn_mask), *_padding_strides(key_padding_mask),
+                              *_alibi_strides(alibi_slopes)),
+                scalars=(*before_seed, int(seed), keys if packed else n_k, bucket), seed_at=len(before_seed),
                 meta=meta)
 
 
-def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False):
+def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, compute_dmask,
+                   window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta):
+    """attention_backward's launches for one call signature: which inputs need a contiguous copy,
+    the outputs' shapes, and the LaunchPlans of the preprocess, dK/dV and dQ kernels."""
     Dv = v.shape[-1]
-    if Dv > 1 and dout.stride(-1) != 1:
+    dout_copy = Dv > 1 and dout.stride(-1) != 1
+    if dout_copy:
         dout = dout.contiguous()
-    lse = lse.contiguous()
-    a = backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+    a = backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, 0,
                              window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k)
     packed, B, H, Hk, n_q, n_k = a["packed"], a["B"], a["H"], a["Hk"], a["n_q"], a["n_k"]
     _check_batch(B + (1 if packed else 0))
@@ -291,40 +313,75 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     q_s, k_s, v_s, do_s, lse_s = a["strides"]
     # the strides of out and the gradients count rows of their head dims
     if packed:
-        out = out.contiguous()
-        delta = torch.empty(H, n_q, dtype=torch.float32, device=q.device)
-        out_strides = (0, 1, H)
-        dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
-        dq_s, dk_s, dv_s = (0, 1, H), (0, 1, Hk), (0, 1, Hk)
+        out_copy, out_strides = True, (0, 1, H)
+        delta_shape = (H, n_q)
+        grad_strides = (0, 1, H), (0, 1, Hk), (0, 1, Hk)
     else:
         out_strides = row_strides(out)  # out as the forward laid it out, or a copy that is whole rows
-        if out_strides is None:
-            out = out.contiguous()
-            out_strides = row_strides(out)
-        delta = torch.empty(B, H, n_q, dtype=torch.float32, device=q.device)
-        (dq, dq_s), (dk, dk_s), (dv, dv_s) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
+        out_copy = out_strides is None
+        if out_copy:
+            out_strides = row_strides(out.contiguous())
+        delta_shape = (B, H, n_q)
+        grad_strides = tuple(new_output_in_rows_of(t, t.shape[-1])[1] for t in (q, k, v))
+    dq_s, dk_s, dv_s = grad_strides
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
-    launch_preprocess[(cdiv(n_q, pre_block), H, 1 if packed else B)](
-        out, dout, delta, *out_strides, *do_s, *lse_s, n_q, HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block,
-        **LAUNCH_OPTIONS)
+    preprocess = LaunchPlan((cdiv(n_q, pre_block), H, 1 if packed else B), (*out_strides, *do_s, *lse_s, n_q),
+                            dict(HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=pre_block, **LAUNCH_OPTIONS))
+    batch = B + (1 if packed else 0)
+    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())
+    seed_at = a["seed_at"]
+    keys, rows = a["keys"], a["rows"]
+    dkdv_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s, *dv_s, *a["mask_strides"])
+    dkdv = LaunchPlan(lambda META: (max(1, cdiv(keys, META["BLOCK_N"])), Hk, batch),
+                      (*dkdv_scalars, *a["scalars"]), dict(**meta, **LAUNCH_OPTIONS), key=key,
+                      seed_at=len(dkdv_scalars) + seed_at)
+    dq_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"])
+    dq = LaunchPlan(lambda META: (max(1, cdiv(rows, META["BLOCK_M"])), H, batch),
+                    (*dq_scalars, *a["scalars"]),
+                    dict(**meta, STORE_DS=compute_dmask, STORE_PDP=compute_delta, **LAUNCH_OPTIONS),
+                    key=(*key, compute_dmask, compute_delta), seed_at=len(dq_scalars) + seed_at)
+    return types.SimpleNamespace(packed=packed, dout_copy=dout_copy, lse_copy=not lse.is_contiguous(),
+                                 out_copy=out_copy, delta_shape=delta_shape,
+                                 dmask_shape=(B, H, n_q, n_k) if compute_dmask else None,
+                                 dmask_dtype=_dmask_dtype(attn_mask, q),
+                                 preprocess=preprocess, dkdv=dkdv, dq=dq)
+
+
+_backward_plans = Plans(_backward_plan)
+
+
+def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
+                       max_q=0, max_k=0, compute_delta=False):
+    seed = int(seed)
+    plan = _backward_plans.get((dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                                compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
+                                compute_delta), seed_class(seed))
+    if plan.dout_copy:
+        dout = dout.contiguous()
+    if plan.lse_copy:
+        lse = lse.contiguous()
+    if plan.out_copy:
+        out = out.contiguous()
+    delta = torch.empty(plan.delta_shape, dtype=torch.float32, device=q.device)
+    if plan.packed:
+        dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+    else:
+        (dq, _), (dk, _), (dv, _) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
+    launch_preprocess.run(plan.preprocess, (out, dout, delta))
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
-    dmask = torch.zeros(B, H, n_q, n_k, dtype=_dmask_dtype(attn_mask, q), device=q.device) if compute_dmask else None
+    dmask = None if plan.dmask_shape is None else torch.zeros(plan.dmask_shape, dtype=plan.dmask_dtype,
+                                                             device=q.device)
     # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
     pdp = None
     if compute_delta:
-        pdp = torch.zeros(delta.shape, dtype=torch.float32, device=q.device) if packed else \
-            new_output(delta.shape, torch.float32, q.device)
-    mask, pad, alibi, cu_q, cu_k = a["masks"]
-    batch = B + (1 if packed else 0)
-    key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())
-    launch_dkdv(
-        key, lambda META: (max(1, cdiv(a["keys"], META["BLOCK_N"])), Hk, batch),
-        q, k, v, dout, lse, delta, dk, dv, mask, pad, alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s,
-        *dv_s, *a["mask_strides"], *a["scalars"], **meta, **LAUNCH_OPTIONS)
-    launch_dq(
-        (*key, compute_dmask, compute_delta), lambda META: (max(1, cdiv(a["rows"], META["BLOCK_M"])), H, batch),
-        q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask, delta if pdp is None else pdp, mask, pad,
-        alibi, cu_q, cu_k, *q_s, *k_s, *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"], *a["scalars"], **meta,
-        STORE_DS=compute_dmask, STORE_PDP=compute_delta, **LAUNCH_OPTIONS)
+        pdp = torch.zeros(plan.delta_shape, dtype=torch.float32, device=q.device) if plan.packed else \
+            new_output(plan.delta_shape, torch.float32, q.device)
+    masks = (_mask_bytes(attn_mask, q), _padding_bytes(key_padding_mask, q),
+             q if alibi_slopes is None else alibi_slopes, q if cu_seq_q is None else cu_seq_q,
+             q if cu_seq_k is None else cu_seq_k)
+    launch_dkdv.run(plan.dkdv, (q, k, v, dout, lse, delta, dk, dv, *masks), seed)
+    launch_dq.run(plan.dq, (q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask,
+                            delta if pdp is None else pdp, *masks), seed)
     return dq, dk, dv, dmask, pdp

@@ -8,11 +8,13 @@ The backward gives each program a contiguous range of rows, accumulates its weig
 partial sums in float32 and writes one row of a (programs, N) buffer; a single sum over that
 buffer finishes dweight/dbias. Only mean and rstd are saved.
 """
+import types
+
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import CompiledLaunch
+from ._launch import CompiledLaunch, LaunchPlan, Plans
 from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
 
 MAX_TILE = 8192   # widest row kept whole in registers
@@ -266,17 +268,21 @@ def _check_rows(name, t, M, N, dtype, device):
         raise ValueError(f"layer_norm: {name} must have unit stride along the row, got strides {t.stride()}")
 
 
-def _vector(name, t, N):
-    """weight or bias as the kernels read it: N elements at unit stride, in its own dtype (the
-    kernels widen it to float32 as they load it: no conversion launched per call)."""
-    if t is None:
-        return None
-    if tuple(t.shape) != (N,):
+def _check_vector(name, t, N):
+    if t is not None and tuple(t.shape) != (N,):
         raise ValueError(f"layer_norm: {name} must have shape {(N,)}, got {tuple(t.shape)}")
-    return t.contiguous()
 
 
-def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
+def _vector(t, dummy):
+    """weight or bias as the kernels read it: N elements at unit stride, in its own dtype (the
+    kernels widen it to float32 as they load it: no conversion launched per call); `dummy` for None."""
+    if t is None:
+        return dummy
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _forward_plan(x, residual, weight, bias, eps, is_rms):
+    """layer_norm_forward's launch for one call signature (kernels/_launch.py), after its checks."""
     if x.dim() != 2:
         raise ValueError(f"layer_norm: x must be 2-D (rows, width), got shape {tuple(x.shape)}")
     M, N = x.shape
@@ -285,26 +291,41 @@ def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
         _check_rows("residual", residual, M, N, x.dtype, x.device)
     if is_rms and bias is not None:
         raise ValueError("layer_norm: RMSNorm takes no bias")
-    w, b = _vector("weight", weight, N), _vector("bias", bias, N)
+    _check_vector("weight", weight, N)
+    _check_vector("bias", bias, N)
+    if M == 0:
+        return None
+    block_m, block_n, single, warps = row_tiles(N)
+    # x stands in for an absent residual and h: never read or written
+    r_stride = x.stride(0) if residual is None else residual.stride(0)
+    h_stride = x.stride(0) if residual is None else max(N, 1)
+    return LaunchPlan((cdiv(M, block_m),), (x.stride(0), r_stride, max(N, 1), h_stride, M, N, float(eps)),
+                      dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                           IS_RMS=bool(is_rms), BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps,
+                           **LAUNCH_OPTIONS))
+
+
+_forward_plans = Plans(_forward_plan)
+
+
+def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
+    plan = _forward_plans.get((x, residual, weight, bias, eps, is_rms))
+    M, N = x.shape
     y = new_output((M, N), x.dtype, x.device)
     h = new_output((M, N), x.dtype, x.device) if residual is not None else None
     mean = None if is_rms else new_output((M,), torch.float32, x.device)
     rstd = new_output((M,), torch.float32, x.device)
-    if M == 0:
+    if plan is None:
         return y, h, mean, rstd
-    block_m, block_n, single, warps = row_tiles(N)
     dummy = x  # stands in for absent pointers; never read (the matching constexpr flag is off)
-    r, hh = (residual, h) if residual is not None else (dummy, dummy)
-    grid = (cdiv(M, block_m),)
-    launch_fwd[grid](
-        x, r, dummy if w is None else w, dummy if b is None else b, y, hh, dummy if mean is None else mean, rstd,
-        x.stride(0), r.stride(0), y.stride(0), hh.stride(0), M, N, float(eps),
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, IS_RMS=bool(is_rms),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps, **LAUNCH_OPTIONS)
+    launch_fwd.run(plan, (x, dummy if residual is None else residual, _vector(weight, dummy), _vector(bias, dummy), y,
+                          dummy if h is None else h, dummy if mean is None else mean, rstd))
     return y, h, mean, rstd
 
 
-def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+def _backward_plan(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+    """layer_norm_backward's launch for one call signature, after its checks, with its partial sums'
+    shape and how they are allocated."""
     if h.dim() != 2:
         raise ValueError(f"layer_norm: h must be 2-D (rows, width), got shape {tuple(h.shape)}")
     M, N = h.shape
@@ -314,29 +335,37 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
         _check_rows("dh", dh, M, N, h.dtype, h.device)
     if not is_rms and mean is None:
         raise ValueError("layer_norm: the LayerNorm backward needs mean")
-    w = _vector("weight", weight, N)
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"layer_norm: bias must have shape {(N,)}, got {tuple(bias.shape)}")
-    rstd = rstd.contiguous()
-    mean = rstd if is_rms else mean.contiguous()
-    dx = new_output((M, N), h.dtype, h.device)
+    _check_vector("weight", weight, N)
+    _check_vector("bias", bias, N)
     block_m, block_n, single, warps = row_tiles(N, backward=True)
     rows_per_program = cdiv(M, backward_programs(block_n, single, h.device))
     if single:
         rows_per_program = cdiv(rows_per_program, block_m) * block_m
     programs = max(1, cdiv(M, rows_per_program))
+    stride_dh = h.stride(0) if dh is None else dh.stride(0)  # h stands in for an absent dh: never read
+    launch = LaunchPlan((programs,), (dy.stride(0), stride_dh, h.stride(0), max(N, 1), M, N, rows_per_program),
+                        dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                             IS_RMS=bool(is_rms), BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single,
+                             num_warps=warps, **LAUNCH_OPTIONS))
     # Partial sums: the single-tile kernel writes its whole row; the looped one accumulates into it.
-    alloc = torch.empty if single else torch.zeros
-    dw_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if w is not None else None
-    db_partial = alloc((programs, N), dtype=torch.float32, device=h.device) if bias is not None else None
+    return types.SimpleNamespace(launch=launch, partial_shape=(programs, N),
+                                 alloc=torch.empty if single else torch.zeros)
+
+
+_backward_plans = Plans(_backward_plan)
+
+
+def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+    plan = _backward_plans.get((dy, dh, h, weight, bias, mean, rstd, eps, is_rms))
+    rstd = rstd.contiguous()
+    mean = rstd if is_rms else mean.contiguous()
+    dx = new_output(h.shape, h.dtype, h.device)
+    dw_partial = plan.alloc(plan.partial_shape, dtype=torch.float32, device=h.device) if weight is not None else None
+    db_partial = plan.alloc(plan.partial_shape, dtype=torch.float32, device=h.device) if bias is not None else None
     dummy = h
-    dhh = dh if dh is not None else dummy
-    launch_bwd[(programs,)](
-        dy, dhh, h, dummy if w is None else w, mean, rstd, dx,
-        dummy if dw_partial is None else dw_partial, dummy if db_partial is None else db_partial,
-        dy.stride(0), dhh.stride(0), h.stride(0), dx.stride(0), M, N, rows_per_program,
-        HAS_DH=dh is not None, HAS_WEIGHT=w is not None, HAS_BIAS=bias is not None, IS_RMS=bool(is_rms),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single, num_warps=warps, **LAUNCH_OPTIONS)
+    launch_bwd.run(plan.launch, (dy, dummy if dh is None else dh, h, _vector(weight, dummy), mean, rstd, dx,
+                                 dummy if dw_partial is None else dw_partial,
+                                 dummy if db_partial is None else db_partial))
     dweight = None if weight is None else dw_partial.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_partial.sum(0).to(bias.dtype)
     return dx, dweight, dbias

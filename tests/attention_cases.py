@@ -267,6 +267,9 @@ def record_launches(monkeypatch):
         def __call__(self, key, grid, *args, **kwargs):  # the autotuned kernels' TunedLaunch
             launches.append(self.name)
 
+        def run(self, plan, tensors, seed=0):  # a launch plan's (kernels/_launch.py)
+            launches.append(self.name)
+
     for attr, name in (("launch_fwd", "attention_fwd_kernel"), ("launch_combine", "attention_combine_kernel"),
                        ("launch_preprocess", "attention_bwd_preprocess_kernel"),
                        ("launch_dkdv", "attention_bwd_dkdv_kernel"), ("launch_dq", "attention_bwd_dq_kernel")):

@@ -125,12 +125,13 @@ def test_hooks_and_keyword_runtime_arguments_go_through_triton(recording):
 def test_package_launchers_launch_directly_what_triton_would():
     """The package's own launchers (attention forward and backward, LayerNorm, RMSNorm, linear
     attention) with their real kernels, as the CUDA key runs them: directly and through Triton's
-    run, the same launches. A process of its own: the kernels must be jit functions, which they
-    are not under this process's TRITON_INTERPRET=1."""
+    run, the same launches; and launched through a plan made by a twin call (the same signature,
+    other tensors and dropout seed), what a plan of their own would launch. A process of its own:
+    the kernels must be jit functions, which they are not under this process's TRITON_INTERPRET=1."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.tools.launch_overhead_triton", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": same") == 7, result.stdout
+    assert result.stdout.count(": same") == 19, result.stdout
 
 
 def test_signature_covers_what_it_keys_and_refuses_the_rest():
@@ -154,6 +155,28 @@ def test_signature_covers_what_it_keys_and_refuses_the_rest():
         assert signature((x, other)) is None, other
     assert signature((torch.nn.Parameter(x), 1)) == signature((x, 1))
     assert signature(()) == b""
+
+
+def test_call_signature_tells_apart_what_launchers_read():
+    """csrc/launch_signature.cpp's call_signature, the key of the launch plans: equal only for calls
+    alike in every dtype, device, size, stride, address mod 16 and value; None for what it cannot
+    describe (the launcher then plans the call afresh)."""
+    from transformer_fast import _build
+
+    signature = _build.extension().call_signature
+    x = torch.empty(4, 6)
+    base = (x, None, 1, 0.5, True, (3, -1))
+    assert signature(base) == signature((torch.empty(4, 6), None, 1, 0.5, True, (3, -1)))
+    variants = [(torch.empty(6, 4),), (torch.empty(4, 6).t().contiguous().t(),), (torch.empty(4, 6).double(),),
+                (torch.empty(25)[1:].view(4, 6),), (torch.empty(4, 6, 1),), (torch.empty(4, 6, device="meta"),),
+                (x, x), (x, None, 2), (x, None, True), (x, None, 1, 0.25), (x, None, 1, 1), (x, None, 1, 0.5, False),
+                (x, None, 1, 0.5, True, (3, 1)), (x, None, 1, 0.5, True, [3, -1, 0]), (x, None, 1, 0.5, True, (3,)),
+                ((x, None), 1)]
+    others = [signature(v + base[len(v):]) for v in variants]
+    assert signature(base) not in others and len(set(others)) == len(others)
+    assert signature((x, ((1, 2), 3))) != signature((x, ((1,), 2, 3)))  # nesting is part of it
+    for unsupported in ("s", torch.float32, 2 ** 63, object()):
+        assert signature((x, unsupported)) is None, unsupported
 
 
 @pytest.mark.gpu

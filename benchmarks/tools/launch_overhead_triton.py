@@ -11,8 +11,11 @@ the driver's own launch (cuLaunchKernel, a few us). Each call is timed with dire
 The first call of each op compiles its kernels (seconds; Triton keeps them on disk after).
 
 --check makes every call both ways and compares what reached the launcher: the same compiled
-kernel, grid, stream and arguments (new outputs compared by dtype, shape, strides and alignment).
-Exits 1 on a difference; tests/test_direct_launch.py runs it."""
+kernel, grid, stream and arguments (new outputs compared by dtype, shape, strides and alignment);
+then, for calls that vary every way the launch plans depend on (dropout seeds, masks, packed
+sequences, splits, strides, alignment), that a plan made by a twin call (the same signature,
+other tensors and seed) launches each call as a plan of its own would, input tensors compared by
+identity. Exits 1 on a difference; tests/test_direct_launch.py runs it."""
 import argparse
 import os
 import sys
@@ -61,19 +64,128 @@ def _set_direct(on):
 def _drop_compiled():
     from transformer_fast.kernels import _launch
 
+    for plans in _launch.Plans.instances:
+        plans.clear()
     for launch in _launch.CompiledLaunch.instances:
         launch.forget()
         getattr(launch.kernel, "device_caches", {}).clear()
 
 
-def _comparable(arg):
+def _plan_cases():
+    """{name: make}: make(instance) -> (call, its input tensors, its dropout seed or None). The two
+    instances of a case share their call signature (kernels/_launch.py) but not their tensors or
+    seed: a launch plan made by one must launch the other with the other's. The seeds differ from
+    every other argument, so that a launch's arguments show whether it got the call's."""
+    from transformer_fast import _device_kernels
+
+    kernel = lambda name: _device_kernels.op_kernel(name, "triton", "cuda")  # noqa: E731
+    attn_fwd, attn_bwd = kernel("attention_forward"), kernel("attention_backward")
+    ln_fwd, ln_bwd = kernel("layer_norm_forward"), kernel("layer_norm_backward")
+    randn = torch.randn
+
+    def dropout(seeds):
+        def make(i):
+            q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24), randn(1, 2, 40, 24)
+            return lambda: attn_fwd(q, k, v, None, None, True, 0.2, 0.1, seeds[i]), (q, k, v), seeds[i]
+        return make
+
+    def masked_decode(i):  # GQA packing, a bool mask and key padding, split keys
+        q, k, v = randn(2, 4, 1, 32), randn(2, 2, 100, 32), randn(2, 2, 100, 32)
+        mask, pad = torch.rand(2, 4, 1, 100) > 0.2, torch.rand(2, 100) > 0.8
+        return lambda: attn_fwd(q, k, v, mask, pad, False, 0.2, 0.0, 0, num_splits=3), (q, k, v, mask, pad), None
+
+    def features(i):  # window, softcap, ALiBi, sinks; q with an odd address
+        q = randn(1, 3 * 17 * 24 + 1)[0, 1:].view(1, 3, 17, 24)
+        k, v = randn(1, 3, 30, 24), randn(1, 3, 30, 20)
+        alibi, sinks = torch.rand(1, 3), randn(3)
+        return (lambda: attn_fwd(q, k, v, None, None, False, 0.2, 0.0, 0, (7, 2), 30.0, alibi, sinks),
+                (q, k, v, alibi, sinks), None)
+
+    def packed(i):
+        q, k, v = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16)
+        cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 20, 41], dtype=torch.int32)
+        return (lambda: attn_fwd(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu_q, cu_seq_k=cu_k,
+                                 max_q=18, max_k=21), (q, k, v, cu_q, cu_k), None)
+
+    def backward(seeds):
+        def make(i):
+            q, k, v, do = (randn(2, 17, 2, 24).transpose(1, 2) for _ in range(4))
+            mask = randn(2, 2, 17, 33)
+            kk, vv = randn(2, 2, 33, 24), randn(2, 2, 33, 24)
+            out, lse = attn_fwd(q, kk, vv, mask, None, False, 0.2, 0.1, seeds[i])
+            return (lambda: attn_bwd(do, q, kk, vv, out, lse, mask, None, False, 0.2, 0.1, seeds[i], True),
+                    (do, q, kk, vv, out, lse, mask), seeds[i])
+        return make
+
+    def packed_backward(i):
+        q, k, v, do = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16), randn(30, 4, 16)
+        cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 20, 41], dtype=torch.int32)
+        out, lse = attn_fwd(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=18, max_k=21)
+        return (lambda: attn_bwd(do, q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False, cu_seq_q=cu_q,
+                                 cu_seq_k=cu_k, max_q=18, max_k=21, compute_delta=True), (do, q, k, v, out, lse),
+                None)
+
+    def norm_strided_weight(i):  # a weight read through a contiguous copy each call
+        x, r = randn(33, 96), randn(33, 96)
+        w, b = randn(192)[::2], randn(96).bfloat16()
+        return lambda: ln_fwd(x, r, w, b, 1e-5, False), (x, r, w, b), None
+
+    def rms_backward(i):
+        dy, dh, h = randn(33, 5000), randn(33, 5000), randn(33, 5000)
+        rstd = torch.rand(33) + 0.5
+        return lambda: ln_bwd(dy, dh, h, None, None, rstd, rstd, 1e-5, True), (dy, dh, h, rstd), None
+
+    def norm_backward(i):
+        dy, h, w, b = randn(70, 300), randn(70, 300), randn(300), randn(300)
+        mean, rstd = randn(70), torch.rand(70) + 0.5
+        return lambda: ln_bwd(dy, None, h, w, b, mean, rstd, 1e-5, False), (dy, h, w, b, mean, rstd), None
+
+    return {
+        "attention forward, dropout seeds 123457, 654321": dropout((123457, 654321)),
+        "attention forward, dropout seeds 16 x 77777, x 88888": dropout((16 * 77777, 16 * 88888)),
+        "attention forward, dropout seed 1": dropout((1, 1)),
+        "attention forward, dropout seeds 2^40 + 3, + 19": dropout((2 ** 40 + 3, 2 ** 40 + 19)),
+        "attention forward, GQA decode, masks, 3 splits": masked_decode,
+        "attention forward, window, softcap, ALiBi, sinks": features,
+        "attention forward, packed": packed,
+        "attention backward, (B, N, H, D), float mask, dropout, dS": backward((765431, 876543)),
+        "attention backward, packed, delta": packed_backward,
+        "layer_norm forward, strided fp32 weight, bf16 bias": norm_strided_weight,
+        "layer_norm backward": norm_backward,
+        "rms_norm backward, dh, no weight, looped rows": rms_backward,
+    }
+
+
+def _forget_plans():
+    from transformer_fast.kernels import _launch
+
+    for plans in _launch.Plans.instances:
+        plans.clear()
+
+
+def _comparable(arg, inputs):
+    """A launch argument as compared: an input tensor by which input it is, a new one by its
+    dtype, shape, strides and address mod 16."""
     if isinstance(arg, torch.Tensor):
-        return ("tensor", arg.dtype, tuple(arg.shape), arg.stride(), arg.data_ptr() % 16)
+        if arg.data_ptr() in inputs:
+            return "input", inputs[arg.data_ptr()]
+        return "new", arg.dtype, tuple(arg.shape), arg.stride(), arg.data_ptr() % 16
     return arg
 
 
+def _same(theirs, ours, inputs):
+    return len(theirs) == len(ours) and all(
+        a[0] is b[0] and a[1:4] == b[1:4] and
+        [_comparable(x, inputs) for x in a[4]] == [_comparable(x, inputs) for x in b[4]] for a, b in zip(theirs, ours))
+
+
+def _inputs(tensors):
+    return {t.data_ptr(): i for i, t in enumerate(tensors)}
+
+
 def check(calls):
-    """0 when every call reaches the launcher the same way directly as through Triton's run."""
+    """0 when every call reaches the launcher the same way directly as through Triton's run, and
+    every planned launch is the launch a plan made for that very call would be."""
     failures = 0
     for name, call in calls.items():
         recorded = {}
@@ -83,11 +195,31 @@ def check(calls):
             call()
             recorded[direct] = list(launches)
         theirs, ours = recorded[False], recorded[True]
-        same = len(theirs) == len(ours) and all(
-            a[0] is b[0] and a[1:4] == b[1:4] and list(map(_comparable, a[4])) == list(map(_comparable, b[4]))
-            for a, b in zip(theirs, ours))
+        same = _same(theirs, ours, {})
         direct = sum(not launch[5] for launch in ours)
         print(f"{name:<50} {len(ours)} launches, {direct} direct: {'same' if same else 'DIFFERENT'}")
+        failures += not same or direct != len(ours)
+    for name, make in _plan_cases().items():
+        (call, tensors, seed), (twin, _, _) = make(0), make(1)
+        _forget_plans()
+        _set_direct(False)
+        launches.clear()
+        call()  # a plan made for this call, launched through Triton's run
+        theirs = list(launches)
+        _forget_plans()
+        _set_direct(True)
+        twin()  # the plan and its direct launch made by the twin
+        twin()
+        launches.clear()
+        call()
+        ours = list(launches)
+        same = _same(theirs, ours, _inputs(tensors))
+        if seed is not None and seed != 1:  # each launch that takes the seed takes the call's
+            same = same and all(any(type(a) is int and a == seed for a in launch[4])
+                                for launch in ours if len(launch[4]) > 20)
+        direct = sum(not launch[5] for launch in ours)
+        print(f"{name:<50} {len(ours)} launches, {direct} direct, planned by its twin: "
+              f"{'same' if same else 'DIFFERENT'}")
         failures += not same or direct != len(ours)
     return failures
 

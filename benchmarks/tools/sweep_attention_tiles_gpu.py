@@ -46,7 +46,7 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     block_m, block_n, warps, stages = tile
     tune = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **ka.LAUNCH_OPTIONS)
     q_s, k_s, v_s, do_s, lse_s = a["strides"]
-    mask, pad, alibi, cu_q, cu_k = a["masks"]
+    mask = pad = alibi = cu_q = cu_k = q  # stand-ins for absent masks, slopes and offsets (never read)
     if kernel_name == "dkdv":
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         fn = jit_function(ka.attention_bwd_dkdv_kernel)
