@@ -264,7 +264,7 @@ def layer_norm_cases():
     and bf16 with a single-tile and the looped config; the other flag combinations (no residual/dh,
     weight only, RMS with and without weight, none) with those two configs in fp16, the LayerNorm
     ones with odd row strides (no vectorized row loads). Flags and dtypes change loads and stores,
-    not the tile's register shape."""
+    not the tile's register shape. The backward's partial-sum reduction in each parameter dtype."""
     cases = []
     kernels = ((layer_norm.layer_norm_fwd_kernel, "layer_norm_fwd", "HAS_RESIDUAL"),
                (layer_norm.layer_norm_bwd_kernel, "layer_norm_bwd", "HAS_DH"))
@@ -283,6 +283,18 @@ def layer_norm_cases():
                                                  (False, True, False, False), (True, True, True, False)):
                 flags = {extra: has_extra, "HAS_WEIGHT": weight, "HAS_BIAS": bias, "IS_RMS": rms}
                 cases.append(_layer_norm_case(kernel, name, torch.float16, tile, flags, aligned_rows=rms))
+    block_n, block_p, warps = layer_norm.SUMS_TILE
+    sums = layer_norm.layer_norm_partial_sums_kernel
+    for dtype, weight, bias in ((torch.float32, True, True), (torch.float16, True, True), (torch.bfloat16, True, False),
+                                (torch.bfloat16, False, True)):
+        flags = dict(HAS_WEIGHT=weight, HAS_BIAS=bias, BLOCK_P=block_p, BLOCK_N=block_n)
+        signature = {a: ("constexpr" if a in flags else "*fp32" if a.endswith("Partial") else
+                         "*" + _TYPE[dtype] if a in ("DW", "DB") else "i32") for a in sums.arg_names}
+        on = "".join(k[4] for k in ("HAS_WEIGHT", "HAS_BIAS") if flags[k])
+        cases.append(dict(name=f"layer_norm_partial_sums[{_TYPE[dtype]},{on}]", fn=sums, signature=signature,
+                          constexprs=flags, num_warps=warps, num_stages=1,
+                          attrs={(sums.arg_names.index(a),): [["tt.divisibility", 16]]
+                                 for a in ("DWPartial", "DBPartial", "DW", "DB")}))
     return cases
 
 

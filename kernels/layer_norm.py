@@ -5,8 +5,8 @@ Kernel-level contract: transformer_fast/layer_norm.py. Rows up to MAX_TILE wide 
 LOOP_TILE columns, gathering the statistics with Chan's merge of per-tile (mean, M2). Both take
 the statistics of h minus the row's first element, so a large common offset costs no precision.
 The backward gives each program a contiguous range of rows, accumulates its weight/bias gradient
-partial sums in float32 and writes one row of a (programs, N) buffer; a single sum over that
-buffer finishes dweight/dbias. Only mean and rstd are saved.
+partial sums in float32 and writes one row of a (programs, N) buffer; one more kernel sums that
+buffer's columns into dweight and dbias in their dtypes. Only mean and rstd are saved.
 """
 import types
 
@@ -226,10 +226,37 @@ def layer_norm_bwd_kernel(DY, DH, Hin, W, Mean, Rstd, DX, DWPartial, DBPartial,
                 tl.store(DX + row * stride_dx + c, dx.to(DX.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def layer_norm_partial_sums_kernel(DWPartial, DBPartial, DW, DB, programs, N, HAS_WEIGHT: tl.constexpr,
+                                   HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dweight and dbias: the column sums of the backward's (programs, N) float32 partial sums,
+    written in their parameters' dtypes (one launch for both, where torch would take a sum and a
+    cast for each)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < programs)[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.sum(tl.load(DWPartial + offsets, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(tl.load(DBPartial + offsets, mask=mask, other=0.0), axis=0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=col_mask)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
 launch_fwd, launch_bwd = CompiledLaunch(layer_norm_fwd_kernel), CompiledLaunch(layer_norm_bwd_kernel)
+launch_partial_sums = CompiledLaunch(layer_norm_partial_sums_kernel)
+# The partial sums' reduction: columns per program, partial rows per step, warps
+SUMS_TILE = (64, 32, 4)
 
 
 def row_tiles(N, backward=False):
@@ -347,8 +374,12 @@ def _backward_plan(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
                         dict(HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                              IS_RMS=bool(is_rms), BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single,
                              num_warps=warps, **LAUNCH_OPTIONS))
+    block_cols, block_p, sum_warps = SUMS_TILE
+    sums = LaunchPlan((cdiv(N, block_cols),), (programs, N),
+                      dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_P=block_p,
+                           BLOCK_N=block_cols, num_warps=sum_warps, **LAUNCH_OPTIONS))
     # Partial sums: the single-tile kernel writes its whole row; the looped one accumulates into it.
-    return types.SimpleNamespace(launch=launch, partial_shape=(programs, N),
+    return types.SimpleNamespace(launch=launch, sums=sums, partial_shape=(programs, N),
                                  alloc=torch.empty if single else torch.zeros)
 
 
@@ -366,6 +397,11 @@ def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     launch_bwd.run(plan.launch, (dy, dummy if dh is None else dh, h, _vector(weight, dummy), mean, rstd, dx,
                                  dummy if dw_partial is None else dw_partial,
                                  dummy if db_partial is None else db_partial))
-    dweight = None if weight is None else dw_partial.sum(0).to(weight.dtype)
-    dbias = None if bias is None else db_partial.sum(0).to(bias.dtype)
+    if weight is None and bias is None:
+        return dx, None, None
+    dweight = None if weight is None else new_output(weight.shape, weight.dtype, weight.device)
+    dbias = None if bias is None else new_output(bias.shape, bias.dtype, bias.device)
+    launch_partial_sums.run(plan.sums, (dummy if dw_partial is None else dw_partial,
+                                        dummy if db_partial is None else db_partial,
+                                        dummy if dweight is None else dweight, dummy if dbias is None else dbias))
     return dx, dweight, dbias

@@ -109,16 +109,42 @@ def test_rows_over_several_programs(backend):
         _check(backend, lead, width, dtype, *flags)
 
 
-@pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.gpu)])
-def test_weight_gradient_over_many_rows(backend):
-    """dweight and dbias sum thousands of rows per thread or program: within 2x torch's error too.
-    (Triton on a GPU only: the interpreter's tl.sum is numpy's, which adds a tile's rows in order.)"""
+@pytest.mark.parametrize("backend, threads", [("cpp", 1), ("cpp", 2), pytest.param("triton", 0, marks=pytest.mark.gpu)])
+def test_weight_gradient_over_many_rows(backend, threads):
+    """dweight and dbias sum thousands of rows per thread or program: within 2x torch's error too,
+    with the C++ kernel's rows in one block (one thread) or two. (Triton on a GPU only: the
+    interpreter's tl.sum is numpy's, which adds a tile's rows in order.)"""
     _skip_unavailable(backend)
     device = "cuda" if backend == "triton" else "cpu"
-    _check(backend, (5888,), 7, torch.float32, False, True, True, True, device=device)
-    _check(backend, (2000,), 32, torch.float32, False, True, True, False, device=device)  # C++: into the results
-    _check(backend, (3, 2000), 96, torch.float32, False, True, True, False, device=device)
-    _check(backend, (4100,), 1000, torch.float32, True, True, False, False, device=device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        _check(backend, (5888,), 7, torch.float32, False, True, True, True, device=device)
+        _check(backend, (2000,), 32, torch.float32, False, True, True, False, device=device)  # C++: into the results
+        _check(backend, (3, 2000), 96, torch.float32, False, True, True, False, device=device)
+        _check(backend, (4100,), 1000, torch.float32, True, True, False, False, device=device)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.triton
+def test_partial_sums_over_several_steps(monkeypatch):
+    """dweight and dbias are the column sums of the backward's partial-sum rows, one per program:
+    with 75 programs (more than the reduction's steps of SUMS_TILE rows, a ragged last one) and
+    a width that ends in a ragged column block, in float32 and float16 parameters. (Not bfloat16
+    here: the interpreter rounds float32 to bfloat16 toward zero, a GPU to nearest.)"""
+    _skip_unavailable("triton")
+    from transformer_fast.kernels import layer_norm as kln
+
+    monkeypatch.setattr(kln, "backward_programs", lambda block_n, single, device: 75)
+    kln._backward_plans.clear()  # plans made with the real program count
+    try:
+        assert kln.SUMS_TILE[1] < 75 and 1000 % kln.SUMS_TILE[0]
+        _check("triton", (300,), 1000, torch.float32, False, True, True, True)
+        _check("triton", (3, 100), 1000, torch.float16, False, True, True, False)
+        assert {plan.partial_shape for plan in kln._backward_plans.plans.values()} == {(75, 1000)}
+    finally:
+        kln._backward_plans.clear()
 
 
 @pytest.mark.triton
