@@ -49,6 +49,9 @@ OTHER_RECORDS = {
     "cuda-h200-host-2026-11-26.txt": "host time per call on an H200's machine, ours and torch's, before and after the "
                                      "direct launch of tuned choices, with where the time goes (cProfile, "
                                      "torch.profiler)",
+    "cpu-launch-plans-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (launches "
+                                       "recorded), before and after the launch plans: 0.50-0.67x the direct "
+                                       "launch's time for attention and LayerNorm",
     "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "
                                           "compiled for sm_90, launches recorded): direct launches against Triton's "
                                           "JITFunction.run, with Triton 3.9 and 3.6, and the check that both launch "
