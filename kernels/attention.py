@@ -371,8 +371,9 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     launch_preprocess.run(plan.preprocess, (out, dout, delta))
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
-    dmask = None if plan.dmask_shape is None else torch.zeros(plan.dmask_shape, dtype=plan.dmask_dtype,
-                                                             device=q.device)
+    dmask = None
+    if plan.dmask_shape is not None:
+        dmask = torch.zeros(plan.dmask_shape, dtype=plan.dmask_dtype, device=q.device)
     # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
     pdp = None
     if compute_delta:
