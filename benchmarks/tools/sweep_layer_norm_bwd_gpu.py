@@ -59,6 +59,7 @@ def with_choice(step, warps, per_sm):
         return block_m, block_n, single, w
     ln.row_tiles = row_tiles
     ln.backward_programs = lambda block_n, single, device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
+    ln._backward_plans.clear()  # plans made with the previous choice
     return saved
 
 
@@ -101,6 +102,7 @@ def main():
             finally:
                 if saved is not None:
                     ln.row_tiles, ln.backward_programs = saved
+                    ln._backward_plans.clear()
             label = "current" if step is None else f"step {step} warps {warps} programs {per_sm}xSM"
             rows.append({"choice": label, "ms": ms, "err": err})
         rows.sort(key=lambda r: r["ms"])
