@@ -251,7 +251,9 @@ def seed_class(seed):
 class Plans:
     """A launcher's plans by call signature. `get(args, extra)` returns the plan for the call
     whose arguments are `args` (and `extra`, what else the plan depends on), made by `make(*args)`
-    where there is none yet; a call the signature cannot describe is planned afresh each time."""
+    where there is none yet; a call the signature cannot describe is planned afresh each time. A
+    plan keeps what the launcher's rules chose when it was made: code that changes those rules (a
+    tile sweep patching them) must `clear` the plans."""
 
     instances = weakref.WeakSet()  # every launcher's, for tools that drop every compiled kernel
 
