@@ -140,6 +140,27 @@ def _plan_cases():
         mean, rstd = randn(70), torch.rand(70) + 0.5
         return lambda: ln_bwd(dy, None, h, w, b, mean, rstd, 1e-5, False), (dy, h, w, b, mean, rstd), None
 
+    lin_fwd, lin_bwd = kernel("linear_attention_forward"), kernel("linear_attention_backward")
+
+    def linear_causal_state(i):  # a carried state in and out
+        q, k, v = randn(1, 2, 40, 16), randn(1, 2, 40, 16), randn(1, 2, 40, 24)
+        S, z = randn(1, 2, 16, 24), torch.rand(1, 2, 16)
+        return lambda: lin_fwd(q, k, v, None, True, 1e-6, S, z, True), (q, k, v, S, z), None
+
+    def linear_causal_backward(i):  # the final state's gradient for S only: zeros stand in for z's
+        q, k, v, do = randn(1, 2, 40, 16), randn(1, 2, 40, 16), randn(1, 2, 40, 24), randn(1, 2, 40, 24)
+        S, z, dS = randn(1, 2, 16, 24), torch.rand(1, 2, 16), randn(1, 2, 16, 24)
+        return (lambda: lin_bwd(do, q, k, v, None, True, 1e-6, S, z, dS, None), (do, q, k, v, S, z, dS), None)
+
+    def linear_padded(i):  # not causal, (B, N, H, D) strides, key padding: forward and backward
+        q, k, v, do = (randn(2, 33, 2, 16).transpose(1, 2) for _ in range(4))
+        pad = torch.rand(2, 33) > 0.7
+
+        def call():
+            lin_fwd(q, k, v, pad, False, 1e-6, None, None, False)
+            lin_bwd(do, q, k, v, pad, False, 1e-6, None, None, None, None)
+        return call, (q, k, v, do, pad), None
+
     return {
         "attention forward, dropout seeds 123457, 654321": dropout((123457, 654321)),
         "attention forward, dropout seeds 16 x 77777, x 88888": dropout((16 * 77777, 16 * 88888)),
@@ -153,6 +174,9 @@ def _plan_cases():
         "layer_norm forward, strided fp32 weight, bf16 bias": norm_strided_weight,
         "layer_norm backward": norm_backward,
         "rms_norm backward, dh, no weight, looped rows": rms_backward,
+        "linear attention forward, causal, state in and out": linear_causal_state,
+        "linear attention backward, causal, dS_F only": linear_causal_backward,
+        "linear attention, key padding, forward + backward": linear_padded,
     }
 
 
