@@ -50,8 +50,8 @@ OTHER_RECORDS = {
                                      "direct launch of tuned choices, with where the time goes (cProfile, "
                                      "torch.profiler)",
     "cpu-launch-plans-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (launches "
-                                       "recorded), before and after the launch plans: 0.50-0.67x the direct "
-                                       "launch's time for attention and LayerNorm",
+                                       "recorded), before and after the launch plans: 0.50-0.65x the direct "
+                                       "launch's time for attention, LayerNorm and linear attention",
     "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "
                                           "compiled for sm_90, launches recorded): direct launches against Triton's "
                                           "JITFunction.run, with Triton 3.9 and 3.6, and the check that both launch "
