@@ -504,6 +504,16 @@ def _plus(total, state, B, H):
     return total if state is None else total + state.reshape(B * H, *state.shape[2:])
 
 
+def _reverse_state(q, Dv, grad_final_S, grad_final_z):
+    """Where the causal backward's reverse scans start: the final state's gradient, a zero for a
+    missing half, or None without one."""
+    if grad_final_S is None and grad_final_z is None:
+        return None
+    B, H, _, D = q.shape
+    return (grad_final_S if grad_final_S is not None else q.new_zeros(B, H, D, Dv, dtype=torch.float32),
+            grad_final_z if grad_final_z is not None else q.new_zeros(B, H, D, dtype=torch.float32))
+
+
 def _forward_plan(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
     """linear_attention_forward's launches for one call signature (kernels/_launch.py)."""
     initial = None if initial_S is None else (initial_S, initial_z)
@@ -517,18 +527,13 @@ def _forward_plan(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_
 def _backward_plan(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
                    grad_final_z):
     """linear_attention_backward's launches for one call signature: `dout` as the launches read it."""
-    B, H, Nq, D = q.shape
     Dv = v.shape[3]
     dout_copy = Dv > 1 and dout.stride(-1) != 1
     if dout_copy:
         dout = dout.contiguous()
     if is_causal:
         initial = None if initial_S is None else (initial_S, initial_z)
-        # The reverse scans start from the final state's gradient (a zero stands in for a missing half).
-        reverse = None
-        if grad_final_S is not None or grad_final_z is not None:
-            reverse = (grad_final_S if grad_final_S is not None else q.new_zeros(B, H, D, Dv, dtype=torch.float32),
-                       grad_final_z if grad_final_z is not None else q.new_zeros(B, H, D, dtype=torch.float32))
+        reverse = _reverse_state(q, Dv, grad_final_S, grad_final_z)
         _, n_ptiles = _scan_plan(FWD_STATS, q, k, v, dout, key_padding_mask, 0, eps, initial)
         scan = lambda mode, state, store: _scan_plan(mode, q, k, v, dout, key_padding_mask, n_ptiles, eps,  # noqa
                                                      state, store)[0]
@@ -580,12 +585,7 @@ def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, i
     has_initial = initial_S is not None
     if is_causal:
         initial = (initial_S, initial_z) if has_initial else None
-        # The reverse scans start from the final state's gradient (a zero stands in for a missing half).
-        if grad_final_S is None and grad_final_z is None:
-            reverse = None
-        else:
-            reverse = (grad_final_S if grad_final_S is not None else q.new_zeros(B, H, D, Dv, dtype=torch.float32),
-                       grad_final_z if grad_final_z is not None else q.new_zeros(B, H, D, dtype=torch.float32))
+        reverse = _reverse_state(q, Dv, grad_final_S, grad_final_z)
         dS0 = new_output((B, H, D, Dv), torch.float32, q.device) if has_initial else None
         dz0 = new_output((B, H, D), torch.float32, q.device) if has_initial else None
         p = torch.empty(plan.n_ptiles, B * H, Nq, dtype=torch.float32, device=q.device)
