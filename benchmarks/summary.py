@@ -52,6 +52,10 @@ OTHER_RECORDS = {
     "cpu-launch-plans-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (launches "
                                        "recorded), before and after the launch plans: 0.50-0.65x the direct "
                                        "launch's time for attention, LayerNorm and linear attention",
+    "cpu-attention-padding-2026-11-26.txt": "the C++ attention with right-padded keys before and after its tiles "
+                                            "end at the last unpadded key (0.61-0.84x the forward's time), and "
+                                            "where packing K and V pays off by shape, dtype and threads "
+                                            "(`benchmarks/tools/sweep_cpu_packing.py`)",
     "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "
                                           "compiled for sm_90, launches recorded): direct launches against Triton's "
                                           "JITFunction.run, with Triton 3.9 and 3.6, and the check that both launch "

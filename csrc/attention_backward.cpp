@@ -118,7 +118,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   // fp32: K^T and V^T only, for S and dP; the other three products need no packing.
   const ScorePath path = score_path<scalar_t>(p);
   const bool rowwise = path == ScorePath::kRowwise;
-  const bool packed = path == ScorePath::kPacked && (!kLowp || (Dv % 2 == 0 && packing_pays_off(p.Nk)));
+  const bool packed = path == ScorePath::kPacked && (!kLowp || (Dv % 2 == 0 && packing_pays_off<scalar_t>(p.Nk)));
   const bool packed_updates = packed && kLowp;
   PackedBlocks<scalar_t> packed_kt, packed_vt, packed_k, packed_q, packed_do;
   if (packed) {
@@ -262,7 +262,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               cpu_blas::packed_gemm(bn, D, round_up_even(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
                                     dk_acc.data(), D);
               const scalar_t* kp = used.lo != 0 || used.hi != bn || used.holes
-                                       ? pack_used_rows(kb, ksn, D, colsum.data(), bn, k_scratch.data(),
+                                       ? pack_used_rows(kb, ksn, D, colsum.data(), bn, bn, k_scratch.data(),
                                                         k_packed.data())
                                        : packed_k.at(bhk, n);
               cpu_blas::packed_gemm(bm, D, round_up_even(bn), dS_lowp.data(), ldP, kp, true, dqt, D);

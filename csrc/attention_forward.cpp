@@ -84,6 +84,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
   const PackedBlocks<scalar_t> packed_v =
       packed_values ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
+  if (packed_values) zero_trailing_padded_rows(packed_v, padding, p.Hk, BN, Dv);
   const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
 
   parallel_tasks(n_blocks * parts, [&](TaskQueue& tasks) {
@@ -127,18 +128,23 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         }
       }
       for (int64_t j0 = j_begin; j0 < j_end; j0 += BN) {
-        const int64_t bn = std::min(BN, j_end - j0);
-        const uint8_t status = padding.status(b, j0, j0 + bn);
+        const int64_t tile_keys = std::min(BN, j_end - j0);  // the score product's columns
+        uint8_t status = padding.status(b, j0, j0 + tile_keys);
         if (status == kAllPadding) continue;
+        // Right padding: the tile ends at the last unpadded key, so its trailing padded keys
+        // need no masking, and the tile stays unmasked (P written straight to the product's
+        // operand, every value row used: no column sums, no repacking).
+        const int64_t bn = status == kSomePadding ? padding.unpadded_prefix(b, j0, j0 + tile_keys) : tile_keys;
+        if (bn < tile_keys) status = kNoPadding;
         float s_scale = 1.f;
         if (rowwise) {
           for (int64_t c = 0; c < bn; ++c) k_rows[c] = krows.row(j0 + c);
           rowwise_scores(q_rows.data(), rows, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
         } else {
           int64_t ldk;
-          const scalar_t* kt = krows.block(j0, bn, D, kv_gathered.data(), &ldk);
+          const scalar_t* kt = krows.block(j0, tile_keys, D, kv_gathered.data(), &ldk);
           s_scale = score_tile(p, packed, unit, qt, qo.sn, kt, ldk, packed ? packed_kt.at(b * p.Hk + hk, j0 / BN) : nullptr,
-                               bm, bn, S.data(), BN);
+                               bm, tile_keys, S.data(), BN);
         }
         bool masked = false;
         for (int64_t g = 0; g < heads; ++g) {
@@ -175,7 +181,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           }
           if (kLowp && !few_rows) {
             if (!direct) convert_row(s, p_row, bn);
-            if (bn % 2) p_row[bn] = scalar_t(0);  // meets the packed V's zero row
+            // zeros up to the packed V's whole block (below), or its zero row where bn is odd
+            std::fill(p_row + bn, p_row + round_up_even(tile_keys), scalar_t(0));
           }
         }
         UsedKeys used{0, bn, false};
@@ -188,12 +195,13 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           continue;
         }
         if (packed_values) {
-          const scalar_t* vb = vrows.row(j0);
           const scalar_t* vp = used.lo != 0 || used.hi != bn || used.holes
-                                   ? pack_used_rows(vb, vrows.stride, Dv, colsum.data(), bn, v_scratch.data(),
-                                                    v_packed.data())
+                                   ? pack_used_rows(vrows.row(j0), vrows.stride, Dv, colsum.data(), bn, tile_keys,
+                                                    v_scratch.data(), v_packed.data())
                                    : packed_v.at(b * p.Hk + hk, j0 / BN);
-          cpu_blas::packed_gemm(rows, Dv, round_up_even(bn), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
+          // Over the whole block, also where the tile was cut at its last unpadded key: brgemm
+          // took up to 1.5x longer over some key counts (74, 82, 94, 106, 118 of 128) than over 128.
+          cpu_blas::packed_gemm(rows, Dv, round_up_even(tile_keys), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
           continue;
         }
         int64_t ldv_tile, ldv;

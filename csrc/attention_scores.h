@@ -69,6 +69,12 @@ struct Padding {
     const int64_t padded = c[j1] - c[j0];
     return padded == 0 ? kNoPadding : padded == j1 - j0 ? kAllPadding : kSomePadding;
   }
+  // Keys [j0, j1) hold some padding: where it all trails the sequence's last unpadded key (right
+  // padding), the unpadded keys j0 .. that key; else j1 - j0 (padding to mask).
+  int64_t unpadded_prefix(int64_t b, int64_t j0, int64_t j1) const {
+    const int64_t end = last[b];
+    return end > j0 && end < j1 && status(b, j0, end) == kNoPadding ? end - j0 : j1 - j0;
+  }
 };
 
 inline Padding padding_of(const Problem& p) {

@@ -26,6 +26,7 @@
 #include "cpu_blas.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -305,16 +306,12 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
       const int64_t j0 = n * block, rows = std::min(block, N - j0);
       const scalar_t* src = data + (bh / heads) * t.stride(0) + (bh % heads) * t.stride(1) + j0 * t.stride(2);
       scalar_t* dst = packed.at(bh, n);
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (transpose) {  // (fp32 packs only transposes: the score products' K^T and V^T)
+      if (transpose) {  // (fp32 packs only transposes: the score products' K^T and V^T)
+        if constexpr (std::is_same_v<scalar_t, float>) {
           cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst);
-          continue;
+        } else {
+          cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst, scratch.data());
         }
-      }
-      if (transpose) {
-        at::from_blob(scratch.data(), {W, rows}, t.options())
-            .copy_(at::from_blob(const_cast<scalar_t*>(src), {rows, W}, {t.stride(2), 1}, t.options()).t());
-        cpu_blas::pack_b(scratch.data(), rows, W, rows, dst);
       } else if (rows % 2 == 0) {
         cpu_blas::pack_b(src, t.stride(2), rows, W, dst);
       } else {
@@ -331,10 +328,11 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
 // (bn x width) key rows packed afresh with the unused rows zeroed, so that NaN or inf stored
 // there cannot meet the zero probabilities. (Mixing in MKL's own AMX products instead would
 // leave brgemm's tile state stale.)
+// Rows from bn up to `rows` are zero rows.
 template <typename scalar_t>
 const scalar_t* pack_used_rows(const scalar_t* src, int64_t ld, int64_t width, const float* colsum, int64_t bn,
-                               scalar_t* scratch, scalar_t* packed) {
-  for (int64_t c = 0; c < round_up_even(bn); ++c) {
+                               int64_t rows, scalar_t* scratch, scalar_t* packed) {
+  for (int64_t c = 0; c < round_up_even(rows); ++c) {
     scalar_t* dst = scratch + c * width;
     if (c < bn && colsum[c] != 0.f) {
       std::memcpy(dst, src + c * ld, width * sizeof(scalar_t));
@@ -342,19 +340,48 @@ const scalar_t* pack_used_rows(const scalar_t* src, int64_t ld, int64_t width, c
       std::fill(dst, dst + width, scalar_t(0));
     }
   }
-  cpu_blas::pack_b(scratch, width, round_up_even(bn), width, packed);
+  cpu_blas::pack_b(scratch, width, round_up_even(rows), width, packed);
   return packed;
 }
 
-// Packing a block costs about as much as multiplying it by a few hundred rows: measured (bf16,
-// Nk = 4096, 2 threads), the packed forward loses to MKL below ~256 query rows per key/value
-// block (23x at Nq = 1, decoding) and wins from ~512 (1.4x at 2048). So packing needs that many
-// rows to share each packed block: query rows (times the GQA group) for K and V, and for the
-// backward's Q and dO also that many keys. TRANSFORMER_FAST_PACK_MIN_ROWS overrides the 256 (read
-// per call; the tests use it to run both paths on small shapes).
-inline bool packing_pays_off(int64_t rows_per_block) {
-  const char* env = std::getenv("TRANSFORMER_FAST_PACK_MIN_ROWS");
-  return rows_per_block >= (env != nullptr ? std::atoll(env) : 256);
+// Zeroes, in value blocks packed by pack_blocks (not transposed, `heads` per sequence), the rows
+// of each sequence's trailing padded keys in the block of its last unpadded key. A tile cut at that
+// key (Padding::unpadded_prefix) still multiplies the whole packed block, with zero probabilities
+// there, and NaN or inf stored in those rows must not meet them.
+template <typename scalar_t>
+void zero_trailing_padded_rows(const PackedBlocks<scalar_t>& packed, const Padding& padding, int64_t heads,
+                               int64_t block, int64_t width) {
+  if (!padding.any) return;
+  for (size_t b = 0; b < padding.last.size(); ++b) {
+    const int64_t last = padding.last[b];
+    if (padding.first[b] >= last || last % block == 0) continue;  // no key, or no padding in the block
+    const int64_t block_end = std::min(padding.Nk, (last / block + 1) * block);
+    for (int64_t h = 0; h < heads; ++h) {
+      scalar_t* dst = packed.at(static_cast<int64_t>(b) * heads + h, last / block);
+      for (int64_t r = last % block; r < block_end - last / block * block; ++r) {
+        scalar_t* row = dst + (r / 2) * 2 * width + r % 2;
+        for (int64_t n = 0; n < width; ++n) row[2 * n] = scalar_t(0);
+      }
+    }
+  }
+}
+
+// Packing a block pays off only where enough rows share it: query rows (times the GQA group) for
+// K and V, and for the backward's Q and dO also that many keys. Measured (one thread, forward,
+// 4 x 12 heads of 64): bf16 on an AMX CPU, packed over MKL 1.24x the time at 16 rows, 1.00x at 64,
+// 0.89x at 128, 0.75x at 256 (forward+backward 0.97x at 128); fp32's register tiles against MKL
+// 1.06x at 128 and 256 there, and on AMD CPUs bf16 packing won from ~512 rows (Nk = 4096). So 128
+// rows for bf16/fp16 where the CPU has AMX, else 256. TRANSFORMER_FAST_PACK_MIN_ROWS overrides
+// both (read per call; the tests use it to run both paths on small shapes).
+template <typename scalar_t>
+bool packing_pays_off(int64_t rows_per_block) {
+  if (const char* env = std::getenv("TRANSFORMER_FAST_PACK_MIN_ROWS")) return rows_per_block >= std::atoll(env);
+  static const bool amx = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("amx_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return rows_per_block >= (!std::is_same_v<scalar_t, float> && amx ? 128 : 256);
 }
 
 // Whether the scores S = Q K^T go through K^T packed once per call (bf16/fp16: AMX brgemm; fp32:
@@ -366,7 +393,7 @@ inline bool packing_pays_off(int64_t rows_per_block) {
 template <typename scalar_t>
 bool packed_scores(const Problem& p) {
   return cpu_blas::packed_products_available<scalar_t>() && !p.packed() && p.D > 0 && p.Dv > 0 &&
-         p.D % 2 == 0 && packing_pays_off(p.Nq * (p.H / p.Hk));
+         p.D % 2 == 0 && packing_pays_off<scalar_t>(p.Nq * (p.H / p.Hk));
 }
 
 // How the scores are made, decided alike by the forward and the backward: packed products (above);

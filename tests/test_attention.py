@@ -250,6 +250,32 @@ def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # the fully padded sequence gives 0
 
 
+@pytest.mark.parametrize("dtype,products", CPP_DTYPES_AND_PATHS, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_garbage_after_the_last_key_does_not_leak(dtype, is_causal):
+    """Right padding (no holes): the C++ forward ends a key tile at the sequence's last unpadded
+    key, so the padded keys are neither masked nor used; the packed bf16 value product still runs
+    over the whole packed block, whose padded rows must then be zeros. NaN/inf in the padded keys
+    and values, sequences ending inside a tile after an odd and an even number of its keys, at a
+    tile's start and in the first of two tiles (512 keys a tile)."""
+    _need("cpp")
+    B, H, Nq, Nk, D = 6, 2, 33, 600, 64
+    q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
+    lengths = torch.tensor([600, 513, 518, 300, 7, 512])
+    pad = torch.arange(Nk)[None, :] >= lengths[:, None]
+    garbage = pad[:, None, :, None]
+
+    def poisoned(q, k, v):
+        k = k.masked_fill(garbage, float("nan"))
+        v = v.masked_fill(garbage, float("inf"))
+        return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad, backend="cpp")
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad)
+
+    compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what="garbage after the last key")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,products", CPP_DTYPES_AND_PATHS, ids=str)
 def test_nan_in_a_query_shows_in_its_row_only(backend, dtype):
