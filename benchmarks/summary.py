@@ -53,7 +53,8 @@ OTHER_RECORDS = {
                                        "recorded), before and after the launch plans: 0.50-0.65x the direct "
                                        "launch's time for attention, LayerNorm and linear attention",
     "cpu-attention-padding-2026-11-26.txt": "the C++ attention with right-padded keys before and after its tiles "
-                                            "end at the last unpadded key (0.61-0.84x the forward's time), and "
+                                            "end at the last unpadded key (forward 0.63-0.82x its time, "
+                                            "forward+backward 0.80-0.86x), and "
                                             "where packing K and V pays off by shape, dtype and threads "
                                             "(`benchmarks/tools/sweep_cpu_packing.py`)",
     "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "

@@ -127,6 +127,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   }
   if (packed_updates) {
     packed_k = pack_blocks<scalar_t>(k, BN, false);
+    zero_trailing_padded_rows(packed_k, padding, p.Hk, BN, D);  // (dQ's product; see the forward)
     packed_q = pack_blocks<scalar_t>(q, BM, false);
     packed_do = pack_blocks<scalar_t>(dout, BM, false);
   }
@@ -158,10 +159,13 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
       float* dq_slice = dq_acc_data + task.slice * lse_rows * D;
       float* pdp_slice = want_delta ? pdp_acc_data + task.slice * lse_rows : nullptr;
       for (int64_t n = task.n_begin; n < task.n_end; ++n) {
-        const int64_t j0 = n * BN, bn = std::min(BN, nk - j0);
+        const int64_t j0 = n * BN, tile_keys = std::min(BN, nk - j0);  // the score and dP products' columns
         const scalar_t* kb = krows.row(j0);
         const scalar_t* vb = vrows.row(j0);
-        const uint8_t status = padding.status(b, j0, j0 + bn);
+        uint8_t status = padding.status(b, j0, j0 + tile_keys);
+        // Right padding: the block ends at the last unpadded key, as the forward's tile does.
+        const int64_t bn = status == kSomePadding ? padding.unpadded_prefix(b, j0, j0 + tile_keys) : tile_keys;
+        if (bn < tile_keys) status = kNoPadding;
         std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
         std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
         // The query rows whose band reaches these keys.
@@ -191,8 +195,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               }
               rowwise_scores(q_rows.data(), bm, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
             } else {
-              s_scale = score_tile(p, packed, blk, qt, qsn, kb, ksn, packed ? packed_kt.at(bhk, n) : nullptr, bm, bn,
-                                   S.data(), BN);
+              s_scale = score_tile(p, packed, blk, qt, qsn, kb, ksn, packed ? packed_kt.at(bhk, n) : nullptr, bm,
+                                   tile_keys, S.data(), BN);
             }
             const bool masked = transform_scores<scalar_t>(p, band, S.data(), BN, bm, bn, {b, h, i0, j0}, status,
                                                            softcap ? tanh_tile.data() : nullptr);
@@ -218,7 +222,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
             if (packed) {
-              packed_nt_product(blk, bm, bn, Dv, dot, dsn, vb, vsn, packed_vt.at(bhk, n), dP.data(), BN);
+              packed_nt_product(blk, bm, tile_keys, Dv, dot, dsn, vb, vsn, packed_vt.at(bhk, n), dP.data(), BN);
             } else {
               gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb, vsn, 0.f, dP.data(), BN);
             }
@@ -247,7 +251,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if constexpr (kLowp) {
                 convert_row(s, P_lowp.data() + r * ldP, bn);
                 convert_row(dp, dS_lowp.data() + r * ldP, bn);
-                if (bn % 2) dS_lowp[r * ldP + bn] = scalar_t(0);  // meets the packed K's zero row
+                // zeros up to the packed K's whole block (dQ below), or its zero row where bn is odd
+                std::fill(dS_lowp.data() + r * ldP + bn, dS_lowp.data() + r * ldP + round_up_even(tile_keys),
+                          scalar_t(0));
               }
             }
             float* dqt = dq_slice + row0 * D;
@@ -262,10 +268,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               cpu_blas::packed_gemm(bn, D, round_up_even(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
                                     dk_acc.data(), D);
               const scalar_t* kp = used.lo != 0 || used.hi != bn || used.holes
-                                       ? pack_used_rows(kb, ksn, D, colsum.data(), bn, bn, k_scratch.data(),
+                                       ? pack_used_rows(kb, ksn, D, colsum.data(), bn, tile_keys, k_scratch.data(),
                                                         k_packed.data())
                                        : packed_k.at(bhk, n);
-              cpu_blas::packed_gemm(bm, D, round_up_even(bn), dS_lowp.data(), ldP, kp, true, dqt, D);
+              cpu_blas::packed_gemm(bm, D, round_up_even(tile_keys), dS_lowp.data(), ldP, kp, true, dqt, D);
               continue;
             }
             const int64_t nu = used.hi - used.lo;
@@ -299,7 +305,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
           }
         }
         const HeadRows<scalar_t> dk_rows = dko.at(b, hk), dv_rows = dvo.at(b, hk);
-        for (int64_t c = 0; c < bn; ++c) {
+        for (int64_t c = 0; c < tile_keys; ++c) {  // (dK and dV of the padded keys: 0)
           scale_row(dk_acc.data() + c * D, D, p.scale);
           convert_row(dk_acc.data() + c * D, dk_rows.row(j0 + c), D);
           convert_row(dv_acc.data() + c * Dv, dv_rows.row(j0 + c), Dv);

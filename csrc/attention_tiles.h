@@ -32,6 +32,9 @@
 
 #include <algorithm>
 #include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -367,12 +370,28 @@ void zero_trailing_padded_rows(const PackedBlocks<scalar_t>& packed, const Paddi
 }
 
 // Packing a block pays off only where enough rows share it: query rows (times the GQA group) for
-// K and V, and for the backward's Q and dO also that many keys. Measured (one thread, forward,
-// 4 x 12 heads of 64): bf16 on an AMX CPU, packed over MKL 1.24x the time at 16 rows, 1.00x at 64,
-// 0.89x at 128, 0.75x at 256 (forward+backward 0.97x at 128); fp32's register tiles against MKL
-// 1.06x at 128 and 256 there, and on AMD CPUs bf16 packing won from ~512 rows (Nk = 4096). So 128
-// rows for bf16/fp16 where the CPU has AMX, else 256. TRANSFORMER_FAST_PACK_MIN_ROWS overrides
-// both (read per call; the tests use it to run both paths on small shapes).
+// K and V, and for the backward's Q and dO also that many keys. Measured (one thread, 12 heads of
+// 64; benchmarks/tools/sweep_cpu_packing.py): bf16 on an AMX CPU, packed over MKL 1.21x the time
+// at 16 rows, 1.02x at 64, 0.88x at 128, 0.74x at 256 (forward+backward 0.98x at 128); on AMD
+// CPUs bf16 packing won from ~512 rows (Nk = 4096). fp32's register tiles beat MKL on AMD CPUs
+// (MKL packs operands on every call there), but on an Intel Xeon MKL's own small-matrix paths
+// won up to 1024 rows (packed 1.04-1.18x the time) and tied at 2048. So bf16/fp16: 128 rows
+// where the CPU has AMX, else 256; fp32: 2048 on Intel CPUs, else 256.
+// TRANSFORMER_FAST_PACK_MIN_ROWS overrides all (read per call; the tests use it to run both
+// paths on small shapes).
+inline bool intel_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0 && ebx == 0x756e6547 && edx == 0x49656e69 &&
+           ecx == 0x6c65746e;  // "Genu" "ineI" "ntel"
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
 template <typename scalar_t>
 bool packing_pays_off(int64_t rows_per_block) {
   if (const char* env = std::getenv("TRANSFORMER_FAST_PACK_MIN_ROWS")) return rows_per_block >= std::atoll(env);
@@ -381,7 +400,8 @@ bool packing_pays_off(int64_t rows_per_block) {
     const auto it = caps.find("amx_bf16");
     return it != caps.end() && it->second.isBool() && it->second.toBool();
   }();
-  return rows_per_block >= (!std::is_same_v<scalar_t, float> && amx ? 128 : 256);
+  if constexpr (std::is_same_v<scalar_t, float>) return rows_per_block >= (intel_cpu() ? 2048 : 256);
+  return rows_per_block >= (amx ? 128 : 256);
 }
 
 // Whether the scores S = Q K^T go through K^T packed once per call (bf16/fp16: AMX brgemm; fp32:
