@@ -86,6 +86,24 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
                                   gradient_formulation=flash)
 
 
+def check_garbage_does_not_leak(q, k, v, key_padding_mask, garbage, what, is_causal=False):
+    """The C++ backend's output and q, k, v gradients with NaN stored in k and inf in v wherever
+    `garbage` (broadcasting to k) is True, against the float64 reference on the clean inputs: the
+    poisoned keys must be ones no query may attend. Returns compare_with_reference's result."""
+    gqa = k.shape[1] != q.shape[1]
+
+    def poisoned(q, k, v):
+        k = k.masked_fill(garbage, float("nan"))
+        v = v.masked_fill(garbage, float("inf"))
+        return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                                               enable_gqa=gqa, backend="cpp")
+
+    def ref(q, k, v):
+        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+
+    return compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what=what)
+
+
 def check_float32_mask(attention, dtype, what, shape=(2, 4, 2, 17, 40, 24)):
     """A float32 attn_mask with a half-precision query, as torch's SDPA accepts it: added in float32,
     its gradient float32. `attention(q, k, v, attn_mask=..., enable_gqa=True)`. The mask's values sit

@@ -8,9 +8,8 @@ import torch
 
 import transformer_fast as tf
 from transformer_fast import _backends, _build, reference
-from transformer_fast import attention as attention_module
 
-from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_gpu_grid, check_value_gradient, make_qkv,
+from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_garbage_does_not_leak, check_gpu_grid, check_value_gradient, make_qkv,
                              random_attn_mask, random_key_padding)
 from helpers import compare_with_reference, result_strides
 
@@ -237,16 +236,7 @@ def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
     garbage = pad[:, None, :, None].clone()
     if is_causal:
         garbage[:, :, Nq:] = True  # keys no query may see
-
-    def poisoned(q, k, v):
-        k = k.masked_fill(garbage, float("nan"))
-        v = v.masked_fill(garbage, float("inf"))
-        return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad, backend=backend)
-
-    def ref(q, k, v):
-        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad)
-
-    out = compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what="poisoned")
+    out = check_garbage_does_not_leak(q, k, v, pad, garbage, "poisoned", is_causal=is_causal)
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # the fully padded sequence gives 0
 
 
@@ -263,17 +253,7 @@ def test_garbage_after_the_last_key_does_not_leak(dtype, is_causal):
     q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
     lengths = torch.tensor([600, 513, 518, 300, 7, 512])
     pad = torch.arange(Nk)[None, :] >= lengths[:, None]
-    garbage = pad[:, None, :, None]
-
-    def poisoned(q, k, v):
-        k = k.masked_fill(garbage, float("nan"))
-        v = v.masked_fill(garbage, float("inf"))
-        return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad, backend="cpp")
-
-    def ref(q, k, v):
-        return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=pad)
-
-    compare_with_reference(poisoned, ref, (q, k, v), grad_inputs=(0, 1, 2), what="garbage after the last key")
+    check_garbage_does_not_leak(q, k, v, pad, pad[:, None, :, None], "garbage after the last key", is_causal=is_causal)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
