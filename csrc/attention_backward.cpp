@@ -22,7 +22,7 @@ namespace cpu_attention {
 namespace {
 
 // Row-major (rows x cols) tile -> its transpose (leading dimension ld_out), in at::vec's 32 x 32
-// register blocks; a zero column pads an odd row count (the product's reduction dim must be even).
+// register blocks; zero columns pad the rows to packed_reduction(rows), the product's reduction.
 template <typename scalar_t>
 void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols, scalar_t* dst, int64_t ld_out) {
   constexpr int64_t kBlock = 32;
@@ -33,8 +33,8 @@ void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols
                                        static_cast<int>(std::min(kBlock, cols - c)));
     }
   }
-  if (rows % 2) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_out + rows] = scalar_t(0);
+  if (rows < packed_reduction(rows)) {
+    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_out + rows, dst + c * ld_out + packed_reduction(rows), scalar_t(0));
   }
 }
 
@@ -132,7 +132,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
     packed_do = pack_blocks<scalar_t>(dout, BM, false);
   }
   const float dq_scale = packed_updates ? p.scale : 1.f;
-  const int64_t ldP = round_up_even(BN), ldT = round_up_even(BM);
+  const int64_t ldP = packed_reduction(BN), ldT = packed_reduction(BM);
   const bool softcap = p.softcap > 0.f;
 
   parallel_tasks(static_cast<int64_t>(key_tasks.size()), [&](TaskQueue& tasks) {
@@ -251,8 +251,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if constexpr (kLowp) {
                 convert_row(s, P_lowp.data() + r * ldP, bn);
                 convert_row(dp, dS_lowp.data() + r * ldP, bn);
-                // zeros up to the packed K's whole block (dQ below), or its zero row where bn is odd
-                std::fill(dS_lowp.data() + r * ldP + bn, dS_lowp.data() + r * ldP + round_up_even(tile_keys),
+                // zeros up to the packed K's whole block (dQ below) and its zero rows
+                std::fill(dS_lowp.data() + r * ldP + bn, dS_lowp.data() + r * ldP + packed_reduction(tile_keys),
                           scalar_t(0));
               }
             }
@@ -263,15 +263,15 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               const int64_t bh = b * p.H + h;
               transpose_to(P_lowp.data(), ldP, bm, bn, PT.data(), ldT);
               transpose_to(dS_lowp.data(), ldP, bm, bn, dST.data(), ldT);
-              cpu_blas::packed_gemm(bn, Dv, round_up_even(bm), PT.data(), ldT, packed_do.at(bh, mb), true,
+              cpu_blas::packed_gemm(bn, Dv, packed_reduction(bm), PT.data(), ldT, packed_do.at(bh, mb), true,
                                     dv_acc.data(), Dv);
-              cpu_blas::packed_gemm(bn, D, round_up_even(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
+              cpu_blas::packed_gemm(bn, D, packed_reduction(bm), dST.data(), ldT, packed_q.at(bh, mb), true,
                                     dk_acc.data(), D);
               const scalar_t* kp = used.lo != 0 || used.hi != bn || used.holes
                                        ? pack_used_rows(kb, ksn, D, colsum.data(), bn, tile_keys, k_scratch.data(),
                                                         k_packed.data())
                                        : packed_k.at(bhk, n);
-              cpu_blas::packed_gemm(bm, D, round_up_even(tile_keys), dS_lowp.data(), ldP, kp, true, dqt, D);
+              cpu_blas::packed_gemm(bm, D, packed_reduction(tile_keys), dS_lowp.data(), ldP, kp, true, dqt, D);
               continue;
             }
             const int64_t nu = used.hi - used.lo;

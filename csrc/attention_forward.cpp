@@ -78,14 +78,15 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
   const int64_t parts = key_parts(p.num_splits, n_blocks, max_keys, align);
   const Partials partials = make_partials(n_blocks, parts, R, Dv);
 
-  // Packed (AMX) products need an even reduction dim: D for Q K^T; the key count of P V is padded.
+  // Packed (AMX) products need an even reduction dim: D for Q K^T; P V's runs over the block's keys
+  // padded with zeros to packed_reduction.
   // fp32 packs only K^T: its P V product needs no packing (cpu_blas::register_gemm).
   const bool packed_values = packed && kLowp;
   const PackedBlocks<scalar_t> packed_kt = packed ? pack_blocks<scalar_t>(k, BN, true) : PackedBlocks<scalar_t>();
   const PackedBlocks<scalar_t> packed_v =
       packed_values ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   if (packed_values) zero_trailing_padded_rows(packed_v, padding, p.Hk, BN, Dv);
-  const int64_t ldP = round_up_even(BN);  // P_lowp's row length: room for the zero pad column
+  const int64_t ldP = packed_reduction(BN);  // P_lowp's row length: room for the packed product's zeros
 
   parallel_tasks(n_blocks * parts, [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
@@ -181,8 +182,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           }
           if (kLowp && !few_rows) {
             if (!direct) convert_row(s, p_row, bn);
-            // zeros up to the packed V's whole block (below), or its zero row where bn is odd
-            std::fill(p_row + bn, p_row + round_up_even(tile_keys), scalar_t(0));
+            // zeros up to the packed V's whole block (below) and its zero rows
+            if (packed_values) std::fill(p_row + bn, p_row + packed_reduction(tile_keys), scalar_t(0));
           }
         }
         UsedKeys used{0, bn, false};
@@ -199,9 +200,9 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
                                    ? pack_used_rows(vrows.row(j0), vrows.stride, Dv, colsum.data(), bn, tile_keys,
                                                     v_scratch.data(), v_packed.data())
                                    : packed_v.at(b * p.Hk + hk, j0 / BN);
-          // Over the whole block, also where the tile was cut at its last unpadded key: brgemm
-          // took up to 1.5x longer over some key counts (74, 82, 94, 106, 118 of 128) than over 128.
-          cpu_blas::packed_gemm(rows, Dv, round_up_even(tile_keys), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
+          // Over the whole block, also where the tile was cut at its last unpadded key (see
+          // packed_reduction).
+          cpu_blas::packed_gemm(rows, Dv, packed_reduction(tile_keys), P_lowp.data(), ldP, vp, true, acc.data(), Dv);
           continue;
         }
         int64_t ldv_tile, ldv;
