@@ -33,8 +33,8 @@ void transpose_to(const scalar_t* src, int64_t ld_in, int64_t rows, int64_t cols
                                        static_cast<int>(std::min(kBlock, cols - c)));
     }
   }
-  if (rows < packed_reduction(rows)) {
-    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_out + rows, dst + c * ld_out + packed_reduction(rows), scalar_t(0));
+  for (int64_t c = 0; c < cols; ++c) {
+    std::fill(dst + c * ld_out + rows, dst + c * ld_out + packed_reduction(rows), scalar_t(0));
   }
 }
 
