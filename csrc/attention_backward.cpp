@@ -251,9 +251,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if constexpr (kLowp) {
                 convert_row(s, P_lowp.data() + r * ldP, bn);
                 convert_row(dp, dS_lowp.data() + r * ldP, bn);
-                // zeros up to the packed K's whole block (dQ below) and its zero rows
-                std::fill(dS_lowp.data() + r * ldP + bn, dS_lowp.data() + r * ldP + packed_reduction(tile_keys),
-                          scalar_t(0));
+                if (packed_updates) {  // zeros up to the packed K's whole block (dQ below) and its zero rows
+                  std::fill(dS_lowp.data() + r * ldP + bn, dS_lowp.data() + r * ldP + packed_reduction(tile_keys),
+                            scalar_t(0));
+                }
               }
             }
             float* dqt = dq_slice + row0 * D;

@@ -362,10 +362,10 @@ void zero_trailing_padded_rows(const PackedBlocks<scalar_t>& packed, const Paddi
   for (size_t b = 0; b < padding.last.size(); ++b) {
     const int64_t last = padding.last[b];
     if (padding.first[b] >= last || last % block == 0) continue;  // no key, or no padding in the block
-    const int64_t block_end = std::min(padding.Nk, (last / block + 1) * block);
+    const int64_t start = last / block * block, rows = std::min(padding.Nk - start, block);
     for (int64_t h = 0; h < heads; ++h) {
       scalar_t* dst = packed.at(static_cast<int64_t>(b) * heads + h, last / block);
-      for (int64_t r = last % block; r < block_end - last / block * block; ++r) {
+      for (int64_t r = last - start; r < rows; ++r) {
         scalar_t* row = dst + (r / 2) * 2 * width + r % 2;
         for (int64_t n = 0; n < width; ++n) row[2 * n] = scalar_t(0);
       }

@@ -2,7 +2,7 @@
 (bf16/fp16: PyTorch's brgemm, AMX where the CPU has it; fp32: register tiles) against MKL's, per
 shape, forward or forward+backward. The threshold they decide by (`packing_pays_off` in
 csrc/attention_tiles.h) is moved per call with TRANSFORMER_FAST_PACK_MIN_ROWS, so both paths run
-in one process, interleaved (medians of rounds, each the median of its calls).
+in one process, interleaved (`measure.time_interleaved`: the median of rounds).
 
     python -m benchmarks.tools.sweep_cpu_packing [--threads 1] [--dtypes bfloat16 float32] [--passes fwd fwd+bwd]
 """
@@ -10,34 +10,30 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 
 import transformer_fast as tf
 
+from .. import measure
 from ..run import _reexec_with_malloc_settings
 
 # (query rows, keys, batch): causal where Nq == Nk; 12 heads of 64
 SHAPES = [(16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (96, 96, 4), (128, 128, 4), (128, 512, 1),
           (192, 192, 4), (256, 256, 4), (512, 512, 1), (32, 2048, 1)]
-PATHS = {"packed": "1", "mkl": "1000000000"}
+PATHS = {"packed": "1", "mkl": "1000000000"}  # TRANSFORMER_FAST_PACK_MIN_ROWS
 
 
-def _median_time(fn, calls):
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
+def _on_path(fn, min_rows):
+    def call():
+        os.environ["TRANSFORMER_FAST_PACK_MIN_ROWS"] = min_rows
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return call
 
 
 def _call(nq, nk, batch, dtype, backward):
-    grad = backward
-    q = torch.randn(batch, 12, nq, 64, dtype=dtype, requires_grad=grad)
-    k, v = (torch.randn(batch, 12, nk, 64, dtype=dtype, requires_grad=grad) for _ in range(2))
+    q = torch.randn(batch, 12, nq, 64, dtype=dtype, requires_grad=backward)
+    k, v = (torch.randn(batch, 12, nk, 64, dtype=dtype, requires_grad=backward) for _ in range(2))
     causal = nq == nk
     if backward:
         dout = torch.randn(batch, 12, nq, 64, dtype=dtype)
@@ -54,8 +50,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
     _reexec_with_malloc_settings()  # as the benchmarks: glibc trimming the packed blocks' memory adds page faults
     torch.set_num_threads(args.threads)
@@ -67,17 +62,12 @@ def main(argv=None):
             for passes in args.passes:
                 for nq, nk, batch in SHAPES:
                     fn = _call(nq, nk, batch, getattr(torch, dtype_name), passes == "fwd+bwd")
-                    times = {path: [] for path in PATHS}
-                    for rows in PATHS.values():  # warm-up
-                        os.environ["TRANSFORMER_FAST_PACK_MIN_ROWS"] = rows
-                        _median_time(fn, 3)
-                    for _ in range(args.rounds):
-                        for path, rows in PATHS.items():
-                            os.environ["TRANSFORMER_FAST_PACK_MIN_ROWS"] = rows
-                            times[path].append(_median_time(fn, args.calls))
-                    packed, mkl = (statistics.median(times[p]) for p in PATHS)
-                    print(f"{dtype_name:9s} {passes:8s} {nq:5d} {nk:5d} {batch:2d} {packed * 1e6:10.0f} "
-                          f"{mkl * 1e6:10.0f} {packed / mkl:10.2f}", flush=True)
+                    times = measure.time_interleaved({path: _on_path(fn, rows) for path, rows in PATHS.items()},
+                                                     torch.device("cpu"), min_repeats=args.rounds,
+                                                     max_repeats=args.rounds)
+                    packed, mkl = (times[path]["median_ms"] * 1e3 for path in PATHS)
+                    print(f"{dtype_name:9s} {passes:8s} {nq:5d} {nk:5d} {batch:2d} {packed:10.0f} {mkl:10.0f} "
+                          f"{packed / mkl:10.2f}", flush=True)
     finally:
         if saved is None:
             os.environ.pop("TRANSFORMER_FAST_PACK_MIN_ROWS", None)
