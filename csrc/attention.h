@@ -5,6 +5,7 @@
 #pragma once
 
 #include "attention_extras.h"
+#include "new_tensors.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -185,10 +186,6 @@ inline at::Tensor new_dmask(const Problem& p, const at::Tensor& q) {
   const auto dtype = p.mask_is_float32 ? at::kFloat : q.scalar_type();
   return at::zeros({p.B, p.H, p.Nq, p.Nk}, q.options().dtype(dtype));
 }
-
-// Allocate kernel outputs (bindings.cpp; see ops.h).
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
-at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options);
 
 inline void check_shape(const char* fn, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
   TORCH_CHECK_VALUE(t.sizes() == expected, fn, ": ", name, " must have shape ", expected, ", got ", t.sizes());

@@ -64,7 +64,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 
   // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included); sequences whose keys fit one
   // tile take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
-  at::Tensor delta = at::empty({lse_rows}, q.options().dtype(at::kFloat));
+  at::Tensor delta = new_tensor({lse_rows}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
   if (p.Nk > BN) at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -101,11 +101,11 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
     std::stable_sort(key_tasks.begin(), key_tasks.end(),
                      [](const KeyTask& a, const KeyTask& c) { return a.cost > c.cost; });
   }
-  at::Tensor dq_acc = at::zeros({n_slices, lse_rows, D}, q.options().dtype(at::kFloat));
+  at::Tensor dq_acc = new_zeros({n_slices, lse_rows, D}, q.options().dtype(at::kFloat));
   float* dq_acc_data = dq_acc.data_ptr<float>();
   // sum_j P_ij dP_ij from the fp32 P and dP of the tiles (compute_delta), by slice as dQ is.
   const bool want_delta = row_delta.defined();
-  at::Tensor pdp_acc = want_delta ? at::zeros({n_slices, lse_rows}, q.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor pdp_acc = want_delta ? new_zeros({n_slices, lse_rows}, q.options().dtype(at::kFloat)) : at::Tensor();
   float* pdp_acc_data = want_delta ? pdp_acc.data_ptr<float>() : nullptr;
   // dS out, (B, H, Nq, Nk) contiguous and zero-filled: the tiles skipped below have dS = 0.
   // In q's dtype, or float32 with a float32 mask (new_dmask): one of the two pointers is set.

@@ -165,8 +165,8 @@ inline Partials make_partials(int64_t tasks, int64_t parts, int64_t rows, int64_
   pt.Dv = Dv;
   if (parts > 1) {
     const auto options = at::TensorOptions().dtype(at::kFloat);
-    pt.acc_storage = at::empty({tasks * parts * rows * std::max<int64_t>(Dv, 1)}, options);
-    pt.stats_storage = at::empty({tasks * parts * rows * 2}, options);
+    pt.acc_storage = new_tensor({tasks * parts * rows * std::max<int64_t>(Dv, 1)}, options);
+    pt.stats_storage = new_tensor({tasks * parts * rows * 2}, options);
   }
   return pt;
 }

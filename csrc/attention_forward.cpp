@@ -92,9 +92,12 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed_values);
     TileBuffer<float> S(R * BN), acc(R * Dv), m(R), l(R), colsum(BN), drop(BN);
-    TileBuffer<scalar_t> P_lowp(kLowp ? R * ldP : 0), v_scratch(ldP * Dv), kv_gathered(BN * std::max(D, Dv));
+    // Decoding's few rows (rows_times_values) read the value rows in place, and P from S.
+    const bool value_tiles = !(rowwise && R <= kFewValueRows);
+    TileBuffer<scalar_t> P_lowp(kLowp && value_tiles ? R * ldP : 0), v_scratch(value_tiles ? ldP * Dv : 0);
+    TileBuffer<scalar_t> kv_gathered(value_tiles ? BN * std::max(D, Dv) : 0);
     TileBuffer<scalar_t> v_packed(packed_values ? packed_v.size : 0);
-    TileBuffer<float> v_float(kLowp ? kShortReduction * Dv : 0);
+    TileBuffer<float> v_float(kLowp && value_tiles ? kShortReduction * Dv : 0);
     TileBuffer<float> q_float(rowwise && kLowp ? R * D : 0), key_float(rowwise && kLowp ? kRowwiseChunk * D : 0);
     std::vector<const float*> q_rows(rowwise ? R : 0);
     std::vector<const scalar_t*> k_rows(rowwise ? BN : 0), v_rows(rowwise ? BN : 0);

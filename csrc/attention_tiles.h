@@ -40,6 +40,7 @@
 #include <cstring>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace transformer_fast {
@@ -49,15 +50,31 @@ using cpu_blas::gemm;
 
 // Per-thread tile buffers start on a cache line. With malloc's 16-byte alignment every 64-byte
 // vector load and store of a tile row straddled two lines: the bf16 forward's row max alone cost
-// as much as a fifth of its tile products (docs/design.md).
+// as much as a fifth of its tile products (docs/design.md). They are not zero-filled (a decode
+// call's 140 KB of them took 5% of its time): the kernels write what they read, and under
+// TRANSFORMER_FAST_POISON=1 (as the extension loads) the buffers are NaN-filled, so that the tests
+// catch a read of anything unwritten.
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
   CacheLineAllocator() = default;
   template <typename U>
   CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  T* allocate(std::size_t n) {
+    T* ptr = static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+    if (poison_scratch()) std::memset(static_cast<void*>(ptr), 0xFF, n * sizeof(T));  // NaN in every float type
+    return ptr;
+  }
   void deallocate(T* ptr, std::size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  // std::vector<T>(n) value-initialises (zero-fills) its elements; this default-initialises them.
+  template <typename U>
+  void construct(U* ptr) noexcept {
+    ::new (static_cast<void*>(ptr)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* ptr, Args&&... args) {
+    ::new (static_cast<void*>(ptr)) U(std::forward<Args>(args)...);
+  }
   template <typename U>
   bool operator==(const CacheLineAllocator<U>&) const { return true; }
   template <typename U>
@@ -304,7 +321,7 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
   packed.n_blocks = (N + block - 1) / block;
   packed.size = transpose ? cpu_blas::packed_size<scalar_t>(W, block)
                           : cpu_blas::packed_size<scalar_t>(packed_reduction(block), W);
-  packed.storage = at::empty({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
+  packed.storage = new_tensor({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
   const scalar_t* data = t.data_ptr<scalar_t>();
   at::parallel_for(0, t.size(0) * heads * packed.n_blocks, 1, [&](int64_t begin, int64_t end) {
     TileBuffer<scalar_t> scratch(std::is_same_v<scalar_t, float> ? 0 : packed_reduction(block) * W);

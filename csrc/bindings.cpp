@@ -6,9 +6,18 @@
 //     dispatcher's (backend=..., the torch.func transforms);
 //   * the kernel-level functions, for those paths;
 //   * the signatures of an op kernel's call and of a Triton launch's arguments (launch_signature.cpp),
-//     for kernels/_launch.py.
+//     for kernels/_launch.py;
+//   * `direct`, the check that lets a Python function take the first path.
 #include "launch_signature.h"
 #include "ops.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/forward_grad.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
 #include "attention.h"
 #endif
@@ -21,15 +30,38 @@
 
 namespace transformer_fast {
 
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+at::Tensor new_tensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (options.device().is_cpu()) return at::detail::empty_cpu(sizes, options);
+  return at::empty(sizes, options);
+}
+
+at::Tensor new_zeros(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = new_tensor(sizes, options);
+  if (t.is_cpu() && t.numel() <= at::internal::GRAIN_SIZE) {
+    std::memset(t.data_ptr(), 0, t.nbytes());
+    return t;
+  }
+  return t.zero_();
+}
+
+bool poison_requested() {
   const char* poison = std::getenv("TRANSFORMER_FAST_POISON");
-  if (poison != nullptr && std::strcmp(poison, "1") == 0) {
+  return poison != nullptr && std::strcmp(poison, "1") == 0;
+}
+
+bool poison_scratch() {
+  static const bool poison = poison_requested();
+  return poison;
+}
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (poison_requested()) {
     if (at::isFloatingType(c10::typeMetaToScalarType(options.dtype()))) {
       return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
     }
     return at::full(sizes, -1, options);
   }
-  return at::empty(sizes, options);
+  return new_tensor(sizes, options);
 }
 
 at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options) {
@@ -67,12 +99,64 @@ void def_attention_kernels(py::module& m, const std::string& suffix, Forward for
         py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false);
 }
 
+// _C.direct(n_tensors, *args): whether a public Python function may call its op's C++ function
+// directly rather than through torch.ops. True when the first n_tensors args are plain tensors
+// (torch.Tensor or nn.Parameter: no __torch_function__ of their own), the first of a dtype the
+// kernels take, the other args plain tensors or None, and nothing must see the op itself: no
+// TorchFunctionMode, jit.trace, torch.func transform, forward-mode AD level, torch.compile or
+// torch.export (torch.compiler._is_compiling_flag; under Dynamo the Python caller asks
+// is_dynamo_compiling() first, which Dynamo folds to True), and TRANSFORMER_FAST_BACKEND unset.
+// One C call (~0.1 us) in place of the same checks in Python (~1 us of a small call's host time).
+PyObject* compiler_module = nullptr;  // torch.compiler
+PyObject* compiling_flag_name = nullptr;
+
+bool nothing_must_see_the_op() {
+  if (at::impl::torch_function_mode_enabled() || torch::jit::tracer::isTracing()) return false;
+  const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  if (included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+      included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode)) {
+    return false;
+  }
+  if (torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr) return false;
+  if (std::getenv("TRANSFORMER_FAST_BACKEND") != nullptr) return false;
+  PyObject* compiling = PyObject_GetAttr(compiler_module, compiling_flag_name);
+  if (compiling == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_DECREF(compiling);
+  return compiling == Py_False;
+}
+
+PyObject* direct(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  const Py_ssize_t n_tensors = nargs > 0 ? PyLong_AsSsize_t(args[0]) : -1;
+  if (n_tensors < 1 || n_tensors >= nargs) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "direct(n_tensors, *args): 1 <= n_tensors <= len(args)");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 1; i < nargs; ++i) {
+    if (!(THPVariable_CheckExact(args[i]) || (i > n_tensors && args[i] == Py_None))) Py_RETURN_FALSE;
+  }
+  const auto dtype = THPVariable_Unpack(args[1]).scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) Py_RETURN_FALSE;
+  if (!nothing_must_see_the_op()) Py_RETURN_FALSE;
+  Py_RETURN_TRUE;
+}
+
+PyMethodDef direct_method[] = {
+    {"direct", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&direct)), METH_FASTCALL,
+     "direct(n_tensors, *args) -> bool: whether a public function may call its op's C++ function directly."},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace tf = transformer_fast;
   namespace py = pybind11;
   m.doc() = "transformer_fast C++ kernels and op registrations (CPU; CUDA for attention where built with CUDA)";
+  compiler_module = py::module::import("torch.compiler").release().ptr();
+  compiling_flag_name = PyUnicode_InternFromString("_is_compiling_flag");
+  if (PyModule_AddFunctions(m.ptr(), direct_method) != 0) throw py::error_already_set();
 
   m.def("scaled_dot_product_attention",
         [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -240,7 +240,7 @@ at::Tensor padded_float(const std::optional<at::Tensor>& t, int64_t N, const cha
   // parameter, which on 8 x 512 rows was most of the call (docs/design.md).
   if (N % kStep == 0 && t->scalar_type() == at::kFloat && t->is_contiguous()) return *t;
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
-  at::Tensor out = at::zeros({padded}, t->options().dtype(at::kFloat));
+  at::Tensor out = new_zeros({padded}, t->options().dtype(at::kFloat));
   out.narrow(0, 0, N).copy_(*t);
   return out;
 }
@@ -518,12 +518,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   const bool direct = num_blocks == 1 && padded == N;
   auto partial_sums = [&](bool needed) {
     if (!needed) return at::Tensor();
-    return direct ? at::zeros({N}, fopts) : at::zeros({num_blocks, padded}, fopts);
+    return direct ? new_zeros({N}, fopts) : new_zeros({num_blocks, padded}, fopts);
   };
   at::Tensor dw_partial = partial_sums(w.defined());
   at::Tensor db_partial = partial_sums(has_bias);
   const bool chunked = (w.defined() || has_bias) && (M + num_blocks - 1) / num_blocks > kSumChunk;
-  const at::Tensor chunk_sums = chunked ? at::empty({num_blocks, 4, padded}, fopts) : at::Tensor();
+  const at::Tensor chunk_sums = chunked ? new_tensor({num_blocks, 4, padded}, fopts) : at::Tensor();
   at::Tensor dx = new_output({M, N}, h.options());
   const at::Tensor dh_t = has_dh ? *dh : at::Tensor();
   LN_DISPATCH_TYPES(h.scalar_type(), "layer_norm_backward", [&] {
@@ -536,7 +536,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   auto reduce = [&](const at::Tensor& partial, at::ScalarType dtype) {
     if (direct) return partial.scalar_type() == dtype ? partial : partial.to(dtype);
     if (num_blocks == 1) return partial[0].narrow(0, 0, N).to(dtype);
-    at::Tensor total = at::empty({N}, fopts);
+    at::Tensor total = new_tensor({N}, fopts);
     const float* p = partial.const_data_ptr<float>();
     float* t = total.data_ptr<float>();
     at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {

@@ -425,8 +425,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_forward(
   const at::Tensor z0 = checked_state(fn, "initial_z", initial_z, {s.B, s.H, s.D}, state_dtype(q));
   at::Tensor out = new_output({s.B, s.H, s.Nq, s.Dv}, q.options());
   at::Tensor final_S = output_final_state ? new_output({s.B, s.H, s.D, s.Dv}, state_options)
-                                          : at::empty({0}, state_options);
-  at::Tensor final_z = output_final_state ? new_output({s.B, s.H, s.D}, state_options) : at::empty({0}, state_options);
+                                          : new_tensor({0}, state_options);
+  at::Tensor final_z = output_final_state ? new_output({s.B, s.H, s.D}, state_options) : new_tensor({0}, state_options);
   if (s.B * s.H == 0) return {out, final_S, final_z};
   const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_forward", [&] {
@@ -476,8 +476,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_at
   at::Tensor dq = new_output(q.sizes(), q.options());
   at::Tensor dk = new_output(k.sizes(), k.options());
   at::Tensor dv = new_output(v.sizes(), v.options());
-  at::Tensor dS0 = has_initial ? new_output({s.B, s.H, s.D, s.Dv}, state_options) : at::empty({0}, state_options);
-  at::Tensor dz0 = has_initial ? new_output({s.B, s.H, s.D}, state_options) : at::empty({0}, state_options);
+  at::Tensor dS0 = has_initial ? new_output({s.B, s.H, s.D, s.Dv}, state_options) : new_tensor({0}, state_options);
+  at::Tensor dz0 = has_initial ? new_output({s.B, s.H, s.D}, state_options) : new_tensor({0}, state_options);
   if (s.B * s.H == 0) return {dq, dk, dv, dS0, dz0};
   const at::Tensor mask = key_padding_mask.has_value() ? key_padding_mask->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "linear_attention_backward", [&] {

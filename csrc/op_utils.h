@@ -4,6 +4,8 @@
 // Shapes are read as SymInts, so the checks also run while torch.compile traces with dynamic shapes.
 #pragma once
 
+#include "new_tensors.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -93,7 +95,7 @@ inline at::Tensor with_unit_last_stride(const at::Tensor& t) {
 
 // The ops' contract: results a call does not produce are empty tensors, not None.
 inline at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : like.new_empty({0});
+  return t.defined() ? t : new_tensor({0}, like.options());
 }
 
 // ---- autocast -------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention_extras.h"
+#include "new_tensors.h"
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -12,17 +13,6 @@
 #include <tuple>
 
 namespace transformer_fast {
-
-// Allocates a kernel output. With TRANSFORMER_FAST_POISON=1 in the environment it is filled with
-// NaN (or all-ones bits for integer types), so tests catch a kernel that leaves any element unwritten.
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
-
-// An attention result of width `width` shaped as `like` ((B, H, N, W) or packed (T, H, W)) and laid
-// out in its row order, as torch's attention lays out its results: where `like` keeps a row's heads
-// together (stride(1) < stride(2): a (B, N, H * W) projection viewed as heads and transposed), the
-// result is (B, N, H, width) memory seen as (B, H, N, width), so the caller's transpose back costs
-// no copy; else contiguous. NaN-filled under TRANSFORMER_FAST_POISON=1, as new_output.
-at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options);
 
 // ---- softmax attention (attention_forward.cpp, attention_backward.cpp) ----
 // The arguments beyond the dense masks (window, softcap, ALiBi, sinks, packed sequences, the

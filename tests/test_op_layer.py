@@ -196,6 +196,45 @@ def test_fake_tensors_run_the_public_functions():
     assert out.shape == (2, 3, 7, 16) and y.shape == h.shape == (5, 32)
 
 
+def test_direct_call_gate(monkeypatch):
+    """_calls.direct, the eager fast path's gate (csrc/bindings.cpp), refuses every case in which
+    something must see the op itself or the kernels cannot take the call."""
+    from torch.autograd import forward_ad
+    from torch.overrides import TorchFunctionMode
+
+    from transformer_fast._calls import direct
+
+    x, m = torch.randn(2, 3), torch.ones(2, dtype=torch.bool)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert direct(1, x) and direct(3, x, x, x, None, m) and direct(1, torch.nn.Parameter(x), None)
+    assert direct(1, x.half()) and direct(1, x.bfloat16())
+    assert not direct(1, x.double()) and not direct(1, x.long())  # the first tensor's dtype: no kernel
+    assert not direct(3, x, None, x)  # a required tensor missing (the slow path names it)
+    assert not direct(1, x.as_subclass(Subclass)) and not direct(2, x, x, x.as_subclass(Subclass))
+    assert not direct(1, x, 1.0) and not direct(1, [x])
+    with pytest.raises(ValueError, match="n_tensors"):
+        direct(2, x)
+    with TorchFunctionMode():
+        assert not direct(1, x)
+    seen = []
+    torch.vmap(lambda t: seen.append(direct(1, t)) or t)(x)
+    with forward_ad.dual_level():
+        seen.append(direct(1, x))
+    torch.jit.trace(lambda t: seen.append(direct(1, t)) or t * 2, (x,), check_trace=False)
+    assert seen == [False, False, False]
+    assert direct(1, x)  # nothing left active
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # torch.export, AOT tracing
+    assert not direct(1, x)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+    monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")
+    assert not direct(1, x)
+    monkeypatch.delenv("TRANSFORMER_FAST_BACKEND")
+    assert direct(1, x)
+
+
 # ------------------------------------------------------------------------------------------
 # Backends: the dispatcher chooses by device; backend= and the environment override it
 # ------------------------------------------------------------------------------------------

@@ -9,34 +9,25 @@ FlopCounterMode) see the kernel ops either way.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ._backends import ENV_BACKEND as _ENV_BACKEND
+from . import _build
 
-TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # plain tensors: no __torch_function__ of their own
-TENSOR_OR_NONE = TENSORS | {type(None)}
-
-_is_compiling = torch.compiler.is_compiling
-_is_tracing = torch._C._is_tracing
-_torch_function_mode = torch._C._is_torch_function_mode_enabled
-
-
-_functorch_active = torch._C._are_functorch_transforms_active
-_forward_ad = torch.autograd.forward_ad
-# `name in os.environ` encodes the name on every call (~1 us); the encoded key is looked up in
-# the mapping os.environ keeps in sync with the environment (~0.05 us).
-_environ_data = getattr(os.environ, "_data", os.environ)
-_env_key = os.environ.encodekey(_ENV_BACKEND) if hasattr(os.environ, "encodekey") else _ENV_BACKEND
+# The fast path's gate: `not dynamo_compiling() and direct(n_tensors, *args)`. direct
+# (csrc/bindings.cpp) is true when the first n_tensors args are plain tensors (torch.Tensor,
+# nn.Parameter), the first of a kernel dtype, the others plain tensors or None, and no
+# torch.compile, torch.export, jit.trace, TorchFunctionMode, torch.func transform or forward-mode
+# AD is active and TRANSFORMER_FAST_BACKEND names no backend: one C call where the same checks
+# in Python took ~1 us. Dynamo folds dynamo_compiling() to True, so it never meets the C function.
+dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def direct() -> bool:
-    """Whether a call with backend "auto" on plain tensors of a kernel dtype may take the binding:
-    no torch.compile, jit.trace, TorchFunctionMode, torch.func transform or forward-mode AD is
-    active, and TRANSFORMER_FAST_BACKEND does not name a backend."""
-    return not (_is_compiling() or _is_tracing() or _torch_function_mode() or _functorch_active()
-                or _forward_ad._current_level >= 0 or _env_key in _environ_data)
+def _without_extension(n_tensors, *args):
+    return False
+
+
+_C, _ = _build.load()
+direct = _C.direct if _C is not None else _without_extension
 
 
 def check_tensors(**tensors):

@@ -66,8 +66,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backends, _build, _explicit
-from ._backends import KERNEL_DTYPES
-from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+from ._calls import check_tensors, direct, dynamo_compiling
 from ._layout import empty_in_rows_of
 from ._plain_torch import dmask_dtype
 
@@ -176,10 +175,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if softcap is not None and type(softcap) is not float:
         softcap = _real("softcap", softcap)
     seed = _dropout_seed(dropout_p) if dropout_p else 0
-    if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
-            and type(attn_mask) in TENSOR_OR_NONE and type(key_padding_mask) in TENSOR_OR_NONE
-            and type(alibi_slopes) in TENSOR_OR_NONE and type(sinks) in TENSOR_OR_NONE
-            and query.dtype in KERNEL_DTYPES and direct()):
+    if (backend == "auto" and not dynamo_compiling()
+            and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
         return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale,
                                                bool(enable_gqa), key_padding_mask, seed, window_size, softcap,
                                                alibi_slopes, sinks)
@@ -243,8 +240,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         args = (query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale, list(window_size),
                 bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
                 seed)
-        if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
-                and direct()):
+        if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
             out, lse = _C.varlen_attn(*args)
         else:
             out, lse = torch.ops.transformer_fast.varlen_attn(*args)

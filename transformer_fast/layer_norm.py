@@ -24,7 +24,7 @@ import torch
 
 from . import _backends, _build, _explicit
 from ._backends import KERNEL_DTYPES
-from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+from ._calls import check_tensors, direct, dynamo_compiling
 
 _C, _ = _build.load()
 _promote = torch.promote_types
@@ -79,11 +79,9 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
     ``torch.autocast`` it follows torch's rule for ``layer_norm``: float32 on CUDA, the input's
     dtype on the CPU.
     """
-    if (backend == "auto" and type(input) in TENSORS and type(residual) in TENSOR_OR_NONE
-            and type(weight) in TENSOR_OR_NONE and type(bias) in TENSOR_OR_NONE and type(normalized_shape) is not int
-            and input.dtype in KERNEL_DTYPES and (residual is None or residual.dtype == input.dtype
-                                                  or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)
-            and direct()):
+    if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight, bias)
+            and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
+                                                       or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
         y, h = _C.layer_norm(input, normalized_shape, weight, bias, eps, residual, False)
         return y if residual is None else (y, h)
     return _normalize(input, normalized_shape, weight, bias, eps, residual, False, backend)
@@ -92,11 +90,9 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, backend="auto"):
     """Fused RMSNorm, a drop-in for ``torch.nn.functional.rms_norm``: ``h / sqrt(mean(h^2) + eps)
     * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``."""
-    if (backend == "auto" and type(input) in TENSORS and type(residual) in TENSOR_OR_NONE
-            and type(weight) in TENSOR_OR_NONE and type(normalized_shape) is not int
-            and input.dtype in KERNEL_DTYPES and (residual is None or residual.dtype == input.dtype
-                                                  or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)
-            and direct()):
+    if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight)
+            and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
+                                                       or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
         y, h = _C.layer_norm(input, normalized_shape, weight, None, eps, residual, True)
         return y if residual is None else (y, h)
     return _normalize(input, normalized_shape, weight, None, eps, residual, True, backend)

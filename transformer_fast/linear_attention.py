@@ -24,8 +24,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backends, _build, _explicit
-from ._backends import KERNEL_DTYPES
-from ._calls import TENSOR_OR_NONE, TENSORS, check_tensors, direct
+from ._calls import check_tensors, direct, dynamo_compiling
 from ._validation import check_tensor
 
 _C, _ = _build.load()
@@ -90,9 +89,8 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     unpadded key. Gradients flow into the initial state and from the final state.
     """
     S0, z0 = _state_pair("initial_state", initial_state)
-    if (backend == "auto" and type(query) in TENSORS and type(key) in TENSORS and type(value) in TENSORS
-            and type(key_padding_mask) in TENSOR_OR_NONE and type(S0) in TENSOR_OR_NONE
-            and type(z0) in TENSOR_OR_NONE and query.dtype in KERNEL_DTYPES and direct()):
+    if (backend == "auto" and not dynamo_compiling()
+            and direct(3, query, key, value, key_padding_mask, S0, z0)):
         out, S, z = _C.linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps, S0, z0,
                                         bool(output_final_state))
     else:
