@@ -25,6 +25,10 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-host-before-after-2026-11-27.txt": "CPU time per call of small calls and of decoding attention, before and "
+                                            "after the eager path's checks moved into one C call and the kernels' "
+                                            "allocations off the dispatcher "
+                                            "(`python -m benchmarks.tools.host_before_after_cpu`)",
     "compile-check-2026-11-23.txt": "Triton kernels compiled for sm_80 and sm_90 without a GPU: registers and spills "
                                     "of every config (`python -m transformer_fast.kernels.compile_check`)",
     "compile-check-cuda-2026-11-26.txt": "the C++ backend's CUDA kernels compiled with nvcc for sm_80 and sm_90: "
