@@ -90,8 +90,7 @@ def _cpu_rows(latest, prefix, name):
     rows += _latest_sweep_rows(latest.get((name, "sweep", ""), []), prefix, cpu=True)[0]
     for entry in latest.get((name, "host", ""), [])[:1]:
         rows += _host_rows(entry, prefix)
-    for entry in latest.get((name, "models", ""), [])[:1]:
-        rows += _models_rows(entry, prefix)
+    rows += _latest_models_rows(latest.get((name, "models", ""), []), prefix)
     return rows
 
 
@@ -150,9 +149,19 @@ def _host_rows(entry, prefix):
     return rows
 
 
-def _models_rows(entry, prefix):
+def _latest_models_rows(entries, prefix):
+    """The newest result of each model family (a run may measure only some: --model-families)."""
+    rows, seen = [], set()
+    for entry in entries:
+        families = {r["model"] for r in entry["data"]["rows"] if r["status"] == "ok"} - seen
+        rows += _models_rows(entry, prefix, families)
+        seen |= families
+    return rows
+
+
+def _models_rows(entry, prefix, families):
     rows, done = [], set()
-    got = [r for r in entry["data"]["rows"] if r["status"] == "ok"]
+    got = [r for r in entry["data"]["rows"] if r["status"] == "ok" and r["model"] in families]
     for r in got:
         key = (r["model"], r["case"], r["precision"])
         if key in done:
@@ -279,8 +288,7 @@ def _gpu_rows(latest, prefix, name):
                      _link(entry["file"], prefix)])
     rows += [r[:2] + ["-"] + r[2:] for r in _latest_sweep_rows(latest.get((name, "sweep", ""), []), prefix,
                                                                  cpu=False)[0]]
-    for entry in latest.get((name, "models", ""), [])[:1]:
-        rows += [r[:2] + ["-"] + r[2:] for r in _models_rows(entry, prefix)]
+    rows += [r[:2] + ["-"] + r[2:] for r in _latest_models_rows(latest.get((name, "models", ""), []), prefix)]
     return rows
 
 
