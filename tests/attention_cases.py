@@ -86,8 +86,8 @@ def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, 
                                   gradient_formulation=flash)
 
 
-def check_garbage_does_not_leak(q, k, v, key_padding_mask, garbage, what, is_causal=False):
-    """The C++ backend's output and q, k, v gradients with NaN stored in k and inf in v wherever
+def check_garbage_does_not_leak(q, k, v, key_padding_mask, garbage, what, is_causal=False, backend="cpp"):
+    """`backend`'s output and q, k, v gradients with NaN stored in k and inf in v wherever
     `garbage` (broadcasting to k) is True, against the float64 reference on the clean inputs: the
     poisoned keys must be ones no query may attend. Returns compare_with_reference's result."""
     gqa = k.shape[1] != q.shape[1]
@@ -96,7 +96,7 @@ def check_garbage_does_not_leak(q, k, v, key_padding_mask, garbage, what, is_cau
         k = k.masked_fill(garbage, float("nan"))
         v = v.masked_fill(garbage, float("inf"))
         return tf.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
-                                               enable_gqa=gqa, backend="cpp")
+                                               enable_gqa=gqa, backend=backend)
 
     def ref(q, k, v):
         return reference.scaled_dot_product_attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)

@@ -236,7 +236,7 @@ def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
     garbage = pad[:, None, :, None].clone()
     if is_causal:
         garbage[:, :, Nq:] = True  # keys no query may see
-    out = check_garbage_does_not_leak(q, k, v, pad, garbage, "poisoned", is_causal=is_causal)
+    out = check_garbage_does_not_leak(q, k, v, pad, garbage, "poisoned", is_causal=is_causal, backend=backend)
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # the fully padded sequence gives 0
 
 

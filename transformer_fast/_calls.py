@@ -13,12 +13,8 @@ import torch
 
 from . import _build
 
-# The fast path's gate: `not dynamo_compiling() and direct(n_tensors, *args)`. direct
-# (csrc/bindings.cpp) is true when the first n_tensors args are plain tensors (torch.Tensor,
-# nn.Parameter), the first of a kernel dtype, the others plain tensors or None, and no
-# torch.compile, torch.export, jit.trace, TorchFunctionMode, torch.func transform or forward-mode
-# AD is active and TRANSFORMER_FAST_BACKEND names no backend: one C call where the same checks
-# in Python took ~1 us. Dynamo folds dynamo_compiling() to True, so it never meets the C function.
+# The fast path's gate: `not dynamo_compiling() and direct(n_tensors, *args)`; what direct checks
+# is in csrc/bindings.cpp. Dynamo folds dynamo_compiling() to True, so it never meets the C function.
 dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 

@@ -60,10 +60,11 @@ def _child(tree):
     if not tf.__file__.startswith(os.path.abspath(tree)):
         raise SystemExit(f"transformer_fast came from {tf.__file__}, not from {tree}")
     torch.set_num_threads(1)
+    cases = _cases(tf, torch)
     with torch.no_grad():
-        inference = {name: fn for name, fn in _cases(tf, torch).items() if "backward" not in name}
+        inference = {name: fn for name, fn in cases.items() if "backward" not in name}
         times = measure.time_interleaved(inference, torch.device("cpu"), min_repeats=7, max_repeats=7)
-    training = {name: fn for name, fn in _cases(tf, torch).items() if "backward" in name}
+    training = {name: fn for name, fn in cases.items() if "backward" in name}
     times.update(measure.time_interleaved(training, torch.device("cpu"), min_repeats=7, max_repeats=7))
     print(json.dumps({name: t["median_ms"] * 1e3 for name, t in times.items()}))
 
