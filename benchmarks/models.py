@@ -10,7 +10,8 @@
            `models.Seq2SeqTransformer` against `nn.Transformer` of the same size
 
 Ours is the same model (same weights) built with `attn_implementation="transformer_fast"` and
-passed through `transformer_fast.convert` (which swaps `nn.LayerNorm`/`nn.RMSNorm`); the
+passed through `transformer_fast.convert` (which swaps `nn.LayerNorm`/`nn.RMSNorm` and
+transformers' Llama-form RMSNorm modules: BERT's norms are `nn.LayerNorm`, Llama's `LlamaRMSNorm`); the
 baseline uses `attn_implementation="sdpa"`. CPU: float32 and bfloat16 weights; CUDA: float32
 weights under bfloat16 autocast. Dropout is 0 in both, so that both do the same work.
 

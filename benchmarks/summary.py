@@ -25,6 +25,9 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-hf-rmsnorm-2026-11-27.txt": "Hugging Face transformers' RMSNorm modules (Llama's and Gemma's forms) before and "
+                                     "after `convert`, decoding and training sizes "
+                                     "(`python -m benchmarks.tools.hf_norms_cpu`)",
     "cpu-host-before-after-2026-11-27.txt": "CPU time per call of small calls and of decoding attention, before and "
                                             "after the eager path's checks moved into one C call and the kernels' "
                                             "allocations off the dispatcher "

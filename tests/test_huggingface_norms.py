@@ -1,0 +1,233 @@
+"""convert() on Hugging Face transformers' RMSNorm modules (transformer_fast.integrations.huggingface_norms):
+which modules are taken (by their forward's code, never by name), that the fused forward matches
+the float64 formula within the comparison policy (tests/helpers.py: transformers' own forward in
+the same dtype is the plain-torch reference), that every call it does not serve runs transformers'
+forward unchanged, and that converted models compute what the originals did (fp32: atol=1e-5,
+rtol=1e-4) and survive pickling."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import transformer_fast as tf  # noqa: E402
+from transformer_fast.integrations import huggingface_norms  # noqa: E402
+from helpers import compare_with_reference  # noqa: E402
+from transformers.models.cohere.modeling_cohere import CohereLayerNorm  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
+from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.mt5.modeling_mt5 import MT5LayerNorm  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-4)
+FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "gemma": GemmaRMSNorm}
+
+
+class PowerThreeNorm(nn.Module):
+    """LlamaRMSNorm's attributes and nearly its forward (a cube for the square): not taken."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(3).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DoubledLlamaNorm(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        return 2 * super().forward(hidden_states)
+
+
+class InheritedLlamaNorm(LlamaRMSNorm):
+    """A subclass that keeps LlamaRMSNorm's forward: the same function, so taken."""
+
+
+class ShiftedGemmaNorm(GemmaRMSNorm):
+    """Gemma's forward with another `_norm`: not taken."""
+
+    def _norm(self, x):
+        return super()._norm(x) + 1
+
+
+def converted(module):
+    _, report = tf.convert(module, return_report=True)
+    return [item.name for item in report]
+
+
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen3RMSNorm, T5LayerNorm, MT5LayerNorm, InheritedLlamaNorm,
+                                 GemmaRMSNorm, Gemma3RMSNorm])
+def test_forms_taken(cls):
+    module = cls(16)
+    assert huggingface_norms.is_rms_norm(module)
+    assert converted(module) == [""]
+    assert isinstance(module, cls) and type(module).__name__ == cls.__name__
+    assert type(module).forward in huggingface_norms.FUSED_FORWARDS
+    assert converted(module) == []  # never twice
+
+
+def test_other_norms_left_alone():
+    patched = LlamaRMSNorm(16)
+    patched.forward = lambda hidden_states: hidden_states  # as accelerate's hooks replace forward
+    without_weight = LlamaRMSNorm(16)
+    without_weight.weight = None
+    matrix_weight = LlamaRMSNorm(16)
+    matrix_weight.weight = nn.Parameter(torch.ones(2, 16))
+    for module in (Gemma3nRMSNorm(16), ShiftedGemmaNorm(16), CohereLayerNorm(16), PowerThreeNorm(16),
+                   DoubledLlamaNorm(16), patched, without_weight, matrix_weight):
+        before = type(module)
+        assert not huggingface_norms.is_rms_norm(module), before.__name__
+        assert converted(module) == [] and type(module) is before
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(0, 17), (1, 1), (3, 17), (2, 5, 129), (1, 1, 1024)])
+def test_fused_forward_against_float64(form, dtype, shape):
+    eps = 1e-6
+    module = tf.convert(FORMS[form](shape[-1], eps))
+    x = torch.randn(shape) * 3
+    w = torch.rand(shape[-1]) + 0.5
+
+    def reference(x, w):
+        if x.dtype != torch.float64:  # transformers' own forward
+            return torch.func.functional_call(FORMS[form](shape[-1], eps).to(w.dtype), {"weight": w}, (x,))
+        normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return normalized * (1 + w) if form == "gemma" else w * normalized
+
+    out = compare_with_reference(lambda x, w: torch.func.functional_call(module, {"weight": w}, (x,)), reference,
+                                 [x.to(dtype), w.to(dtype)], grad_inputs=(0, 1), what=f"{form} {dtype} {shape}")
+    assert out.dtype == dtype and out.shape == shape
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+    original = huggingface_norms.rms_norm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_norms, "rms_norm", counting)
+    return calls
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_calls_it_does_not_serve_run_transformers_forward(form, fused_calls):
+    width = 12
+    original = FORMS[form](width)
+    nn.init.normal_(original.weight)
+    ours = tf.convert(copy.deepcopy(original))
+    x32 = torch.randn(2, 3, width)
+    cases = {
+        "float64": (lambda m: m.double(), x32.double()),
+        "weight of one element": (lambda m: m, x32),
+    }
+    if form != "gemma":  # Gemma's form computes in float32 whatever the dtypes: served
+        cases["bfloat16 input, float32 weight"] = (lambda m: m, x32.bfloat16())
+    for what, (prepare, x) in cases.items():
+        a = copy.deepcopy(original)
+        b = copy.deepcopy(ours)
+        if what == "weight of one element":  # broadcast along the last dim by transformers' forward
+            a.weight = nn.Parameter(torch.full((1,), 1.5))
+            b.weight = nn.Parameter(torch.full((1,), 1.5))
+        expected, actual = prepare(a)(x), prepare(b)(x)
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), what
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = copy.deepcopy(original).bfloat16()
+        expected = bf16(x32.bfloat16())
+        actual = tf.convert(bf16)(x32.bfloat16())
+    assert torch.equal(actual, expected)
+    assert fused_calls == []
+    ours(x32)
+    ours.bfloat16()(x32.bfloat16())
+    assert fused_calls == [torch.float32, torch.bfloat16]
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_t5():
+    config = transformers.T5Config(vocab_size=97, d_model=24, d_kv=6, d_ff=40, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def tiny_gemma2():
+    config = transformers.Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64, sliding_window=4)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2])
+def test_converted_models_compute_the_same(make):
+    torch.manual_seed(0)
+    original = make().train()
+    ours = copy.deepcopy(original)
+    names = converted(ours)
+    norm_names = [name for name, m in original.named_modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+    assert names == norm_names and len(names) >= 5
+    ids = torch.randint(3, 97, (2, 9))
+    inputs = dict(input_ids=ids, labels=ids) if make is tiny_t5 else dict(input_ids=ids)
+    out_a, out_b = original(**inputs).logits, ours(**inputs).logits
+    torch.testing.assert_close(out_b, out_a, **TOL)
+    dout = torch.randn_like(out_a)
+    grads_a = torch.autograd.grad(out_a, list(original.parameters()), dout, allow_unused=True)
+    grads_b = torch.autograd.grad(out_b, list(ours.parameters()), dout, allow_unused=True)
+    for (name, _), a, b in zip(original.named_parameters(), grads_a, grads_b):
+        if a is None:
+            assert b is None, name
+        else:
+            torch.testing.assert_close(b, a, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_pickling_deep_copies_and_state_dicts():
+    torch.manual_seed(0)
+    original = tiny_llama().eval()
+    ours = tf.convert(copy.deepcopy(original))
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        for restored in (torch.load(buffer, weights_only=False), copy.deepcopy(ours)):
+            assert type(restored.model.norm) is type(ours.model.norm)
+            assert type(restored.model.norm).forward is huggingface_norms._fused_weight_as_is
+            assert torch.equal(restored(input_ids=ids).logits, expected)
+    assert list(ours.state_dict()) == list(original.state_dict())
+    tiny_llama().load_state_dict(ours.state_dict(), strict=True)
+
+
+def test_torch_compile_fullgraph():
+    module = tf.convert(LlamaRMSNorm(24)).bfloat16()
+    nn.init.normal_(module.weight)
+    x = torch.randn(3, 5, 24, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(module, fullgraph=True)(x), module(x), atol=0, rtol=0)
+
+
+def test_gemma_form_with_a_float32_weight_and_a_bfloat16_input(fused_calls):
+    original = GemmaRMSNorm(40)
+    nn.init.normal_(original.weight, std=0.1)
+    ours = tf.convert(copy.deepcopy(original))
+    x = torch.randn(3, 40).bfloat16()
+    expected, actual = original(x), ours(x)
+    assert fused_calls == [torch.bfloat16] and actual.dtype == expected.dtype == torch.bfloat16
+    # both round float32 results of the same formula once: at most one bfloat16 step apart
+    torch.testing.assert_close(actual, expected, atol=0, rtol=2 ** -7)
