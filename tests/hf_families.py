@@ -15,6 +15,7 @@ For each family (a ``model_type`` with a base model class in transformers' ``MOD
     python tests/hf_families.py                      # every family, a summary on stdout
     python tests/hf_families.py bert bloom t5        # some families
     python tests/hf_families.py --write docs/huggingface_families.md
+    python tests/hf_families.py --convert             # also through transformer_fast.convert
 """
 from __future__ import annotations
 
@@ -313,9 +314,11 @@ def _reference(family, model_cls, train, profile):
         return config, ref, implementation, f"{implementation} forward: {type(exc).__name__}: {_first_line(exc)}", None
 
 
-def check_family(family: str, train: bool = False) -> Result:
+def check_family(family: str, train: bool = False, convert: bool = False) -> Result:
     """Builds ``family`` small and compares transformer_fast with sdpa (or eager), in eval mode or
-    (``train``) in training mode, with every dropout probability 0."""
+    (``train``) in training mode, with every dropout probability 0; with ``convert``, our model also
+    goes through ``transformer_fast.convert`` (its torch.nn and transformers norm modules swapped;
+    the classes converted are listed after the outputs compared)."""
     import transformer_fast.integrations.huggingface as tf_hf
     tf_hf.register()
     model_cls = base_model_class(family)
@@ -347,6 +350,11 @@ def check_family(family: str, train: bool = False) -> Result:
     except Exception as exc:  # noqa: BLE001
         return Result(family, name, "not run", f"weights do not transfer: {_first_line(exc)}")
     ours.train(train)
+    converted = ""
+    if convert:
+        import transformer_fast
+        _, report = transformer_fast.convert(ours, return_report=True)
+        converted = "; converted: " + (", ".join(sorted({r.old.__name__ for r in report})) or "nothing")
     try:
         our_run = _run(ours, inputs)
     except ValueError as exc:
@@ -380,10 +388,20 @@ def check_family(family: str, train: bool = False) -> Result:
         difference = _mismatch(our_run, ref_run, exact_run)
         if difference:
             return Result(family, name, "MISMATCH", f"vs {implementation} without padding: {difference}")
-    return Result(family, name, f"matches {implementation}", ", ".join(n for n, _ in ref_run[0]))
+    return Result(family, name, f"matches {implementation}", ", ".join(n for n, _ in ref_run[0]) + converted)
 
 
-def table(results) -> str:
+# What a status in the table cannot say: measured explanations, printed under it.
+NOTES = {
+    "muse_spark_text": "One gradient element (layer 1's k_proj weight) is 2.6x as far from the float64 run as "
+                       "sdpa's (0.00335 against 0.00129, max |value| 763) at one thread, where the policy allows "
+                       "2x; it matches at two threads, converts nothing, and was the same at the tree the previous "
+                       "table was made from. Its attention calls alone are within the policy: over 20 upstream "
+                       "gradients, dK's max error is 1.07e-6 (median; torch's 7.0e-7) and 8.6e-7 (6.1e-7).",
+}
+
+
+def table(results, convert=False) -> str:
     import transformers
     counts = {}
     for r in results:
@@ -417,13 +435,16 @@ def table(results) -> str:
         "* **not run**: served, but no comparison could be made here (the model takes no token ids, needs "
         "other inputs, or its shrunk config does not run); **not built**: no small model could be made.",
         "",
+        *(["Our model also went through `transformer_fast.convert` (`--convert`): the detail ends with the "
+           "classes it converted (transformers' RMSNorm modules of Llama's, T5's and Gemma's forms; `torch.nn` "
+           "LayerNorm, RMSNorm and MultiheadAttention where a model uses them).", ""] if convert else []),
         f"transformers {transformers.__version__}, torch {torch.__version__}"
         + (f", TRANSFORMER_FAST_BACKEND={os.environ['TRANSFORMER_FAST_BACKEND']}"
            if os.environ.get("TRANSFORMER_FAST_BACKEND") else "")
-        + ". Regenerate with "
-        "`python tests/hf_families.py --write docs/huggingface_families.md` from the repository root "
-        "(about 15 minutes on 2 CPU cores); `pytest -m slow tests/test_huggingface_families.py` checks that "
-        "no family is served wrong.",
+        + ", one thread. Regenerate with "
+        f"`python tests/hf_families.py{' --convert' if convert else ''} --write docs/huggingface_families.md` "
+        "from the repository root (about 15 minutes on 2 CPU cores); `pytest -m slow "
+        "tests/test_huggingface_families.py` checks that no family is served wrong (at two threads).",
         "",
         "Totals: " + ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())) + ".",
         "",
@@ -433,7 +454,8 @@ def table(results) -> str:
     for r in results:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r.family} | {r.model_class} | {r.status} | {detail} |")
-    return "\n".join(lines) + "\n"
+    notes = [f"- {r.family}: {NOTES[r.family]}" for r in results if r.family in NOTES]
+    return "\n".join(lines + (["", "Notes:", ""] + notes if notes else [])) + "\n"
 
 
 def _refusal(exc):
@@ -457,6 +479,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help="model types (default: all)")
     parser.add_argument("--write", metavar="PATH", help="write the Markdown table to PATH")
+    parser.add_argument("--convert", action="store_true",
+                        help="also pass our model through transformer_fast.convert (its norm modules swapped)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore")
@@ -466,13 +490,13 @@ def main(argv=None):
     results = []
     for family in args.families or families():
         start = time.time()
-        result = check_family(family)
+        result = check_family(family, convert=args.convert)
         results.append(result)
         print(f"{family:32s} {result.status:14s} {time.time() - start:5.1f}s  {result.model_class}  {result.detail}",
               flush=True)
     if args.write:
         with open(args.write, "w") as f:
-            f.write(table(results))
+            f.write(table(results, args.convert))
     bad = [r for r in results if r.status in ("MISMATCH", "ERROR")]
     return 1 if bad else 0
 

@@ -43,6 +43,16 @@ def test_served_family_matches_in_training_mode(family):
     assert result.served_correctly, result
 
 
+@pytest.mark.parametrize("family, norm", [("llama", "LlamaRMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+                                          ("gemma3_text", "Gemma3RMSNorm"), ("t5", "T5LayerNorm"),
+                                          ("deepseek_v3", "DeepseekV3RMSNorm"), ("bert", "LayerNorm")])
+def test_served_family_matches_converted(family, norm):
+    """The same with convert's norms as well: transformers' RMSNorm forms and torch.nn.LayerNorm."""
+    result = hf_families.check_family(family, convert=True)
+    assert result.served_correctly, result
+    assert norm in result.detail.split("; converted: ")[1].split(", "), result
+
+
 @pytest.mark.parametrize("family", REFUSED)
 def test_family_outside_the_attention_interface_is_refused(family):
     result = hf_families.check_family(family)

@@ -145,6 +145,11 @@ def test_calls_it_does_not_serve_run_transformers_forward(form, fused_calls):
             b.weight = nn.Parameter(torch.full((1,), 1.5))
         expected, actual = prepare(a)(x), prepare(b)(x)
         assert actual.dtype == expected.dtype and torch.equal(actual, expected), what
+    class Passthrough(torch.Tensor):  # a subclass (as DTensor is): transformers' forward handles it
+        pass
+
+    subclass = x32.as_subclass(Passthrough)
+    assert torch.equal(ours(subclass), original(subclass))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = copy.deepcopy(original).bfloat16()
         expected = bf16(x32.bfloat16())
@@ -175,10 +180,20 @@ def tiny_gemma2():
     return transformers.Gemma2ForCausalLM(config)
 
 
+def with_random_norm_weights(model):
+    """transformers initialises norm weights to ones (zeros in Gemma's form): a fused forward that
+    dropped the weight would pass with them. Noise of 0.2 around the initial values."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+                module.weight.add_(torch.randn_like(module.weight), alpha=0.2)
+    return model
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2])
 def test_converted_models_compute_the_same(make):
     torch.manual_seed(0)
-    original = make().train()
+    original = with_random_norm_weights(make()).train()
     ours = copy.deepcopy(original)
     names = converted(ours)
     norm_names = [name for name, m in original.named_modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
@@ -215,11 +230,18 @@ def test_pickling_deep_copies_and_state_dicts():
     tiny_llama().load_state_dict(ours.state_dict(), strict=True)
 
 
-def test_torch_compile_fullgraph():
+def test_torch_compile_fullgraph_traces_the_fused_op():
     module = tf.convert(LlamaRMSNorm(24)).bfloat16()
     nn.init.normal_(module.weight)
     x = torch.randn(3, 5, 24, dtype=torch.bfloat16)
-    torch.testing.assert_close(torch.compile(module, fullgraph=True)(x), module(x), atol=0, rtol=0)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module
+
+    torch.testing.assert_close(torch.compile(module, fullgraph=True, backend=backend)(x), module(x), atol=0, rtol=0)
+    assert len(graphs) == 1 and "torch.ops.transformer_fast.layer_norm" in graphs[0]
 
 
 def test_gemma_form_with_a_float32_weight_and_a_bfloat16_input(fused_calls):
@@ -231,3 +253,26 @@ def test_gemma_form_with_a_float32_weight_and_a_bfloat16_input(fused_calls):
     assert fused_calls == [torch.bfloat16] and actual.dtype == expected.dtype == torch.bfloat16
     # both round float32 results of the same formula once: at most one bfloat16 step apart
     torch.testing.assert_close(actual, expected, atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.gpu
+def test_gpu_converted_llama_under_cuda_autocast(fused_calls):
+    """CUDA autocast: the float32 residual stream's norms run fused (our op keeps float32 there, as
+    transformers' forward does); a bfloat16 input under autocast runs transformers' forward (our
+    op would return float32)."""
+    torch.manual_seed(0)
+    original = with_random_norm_weights(tiny_llama()).cuda().eval()
+    ours = tf.convert(copy.deepcopy(original))
+    ids = torch.randint(3, 97, (2, 9), device="cuda")
+    with torch.no_grad():
+        exact = copy.deepcopy(original).double()(input_ids=ids).logits
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            theirs, actual = original(input_ids=ids).logits, ours(input_ids=ids).logits
+            x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
+            norm = copy.deepcopy(ours.model.norm).bfloat16()
+            assert torch.equal(norm(x), norm._transformers_forward(x))
+    assert fused_calls and set(fused_calls) == {torch.float32}
+    assert actual.dtype == theirs.dtype
+    # the comparison policy: at most twice transformers' own error under autocast, against float64
+    error, their_error = ((t.double() - exact).abs().max().item() for t in (actual, theirs))
+    assert error <= 2 * their_error + 1e-3, (error, their_error)

@@ -18,10 +18,12 @@ accelerate's hooks install). transformers is never imported: the comparison need
 
 ``convert`` turns such a module into a subclass of its own class (so ``isinstance`` checks and
 the state dict are unchanged) whose forward calls ``rms_norm`` where the result is the same
-function: a float32, bfloat16 or float16 input, a weight as long as the last dim and of the
-input's dtype (Llama's and T5's forms; Gemma's computes ``1 + weight`` in float32 whatever its
-dtype), and no autocast for a low-precision input (our op follows torch's autocast rule for
-norms, which on CUDA would change the output dtype). Any other call runs the original forward.
+function: a plain tensor (not a subclass such as DTensor, whose dispatch has no rule for our op)
+in float32, bfloat16 or float16, a weight as long as the last dim and of the input's dtype (Llama's
+and T5's forms; Gemma's computes ``1 + weight`` in float32 whatever its dtype), and no autocast for
+a low-precision input (our op follows torch's autocast rule for norms, which on CUDA would change
+the output dtype). Any other call runs the original forward; under torch.compile a plain tensor
+is still one, so the fused op is traced.
 The fused kernel rounds once (``x * rstd * weight`` in float32, then to the input dtype): Gemma's
 form exactly as transformers computes it; for Llama's and T5's, transformers rounds the
 normalised input before multiplying by the weight, so bfloat16 and float16 results differ from
@@ -69,18 +71,17 @@ def _gemma_forward(self, x):
 
 def _fused_weight_as_is(self, hidden_states):
     weight = self._parameters["weight"]
-    dtype = hidden_states.dtype  # an AttributeError for a non-tensor, as transformers' forward raises
-    if (weight is not None and dtype is weight.dtype and dtype in _KERNEL_DTYPES
-            and hidden_states.shape[-1:] == weight.shape and (dtype is torch.float32 or not _any_autocast())):
+    if (type(hidden_states) is torch.Tensor and weight is not None and hidden_states.dtype is weight.dtype
+            and hidden_states.dtype in _KERNEL_DTYPES and hidden_states.shape[-1:] == weight.shape
+            and (hidden_states.dtype is torch.float32 or not _any_autocast())):
         return rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
     return self._transformers_forward(hidden_states)
 
 
 def _fused_one_plus_weight(self, x):
     weight = self._parameters["weight"]
-    dtype = x.dtype
-    if (weight is not None and dtype in _KERNEL_DTYPES and x.shape[-1:] == weight.shape
-            and (dtype is torch.float32 or not _any_autocast())):
+    if (type(x) is torch.Tensor and weight is not None and x.dtype in _KERNEL_DTYPES and x.shape[-1:] == weight.shape
+            and (x.dtype is torch.float32 or not _any_autocast())):
         return rms_norm(x, weight.shape, 1.0 + weight.float(), self.eps)
     return self._transformers_forward(x)
 
