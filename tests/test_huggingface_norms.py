@@ -20,13 +20,17 @@ from transformers.models.cohere.modeling_cohere import CohereLayerNorm  # noqa: 
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated  # noqa: E402
 from transformers.models.mt5.modeling_mt5 import MT5LayerNorm  # noqa: E402
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "gemma": GemmaRMSNorm}
+FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm,
+         "gemma3n": Gemma3nRMSNorm}
 
 
 class PowerThreeNorm(nn.Module):
@@ -66,10 +70,12 @@ def converted(module):
     return [item.name for item in report]
 
 
-@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen3RMSNorm, T5LayerNorm, MT5LayerNorm, InheritedLlamaNorm,
-                                 GemmaRMSNorm, Gemma3RMSNorm])
-def test_forms_taken(cls):
-    module = cls(16)
+@pytest.mark.parametrize("make", [LlamaRMSNorm, Qwen3RMSNorm, T5LayerNorm, MT5LayerNorm, InheritedLlamaNorm,
+                                  Olmo2RMSNorm, GptOssRMSNorm, GemmaRMSNorm, Gemma3RMSNorm, Gemma3nRMSNorm,
+                                  lambda n: Gemma3nRMSNorm(n, with_scale=False)])
+def test_forms_taken(make):
+    module = make(16)
+    cls = type(module)
     assert huggingface_norms.is_rms_norm(module)
     assert converted(module) == [""]
     assert isinstance(module, cls) and type(module).__name__ == cls.__name__
@@ -84,30 +90,41 @@ def test_other_norms_left_alone():
     without_weight.weight = None
     matrix_weight = LlamaRMSNorm(16)
     matrix_weight.weight = nn.Parameter(torch.ones(2, 16))
-    for module in (Gemma3nRMSNorm(16), ShiftedGemmaNorm(16), CohereLayerNorm(16), PowerThreeNorm(16),
-                   DoubledLlamaNorm(16), patched, without_weight, matrix_weight):
+    scale_without_weight = Gemma3nRMSNorm(16)
+    del scale_without_weight.weight
+    for module in (MambaRMSNormGated(16, 16), ShiftedGemmaNorm(16), CohereLayerNorm(16), PowerThreeNorm(16),
+                   DoubledLlamaNorm(16), patched, without_weight, matrix_weight, scale_without_weight):
         before = type(module)
         assert not huggingface_norms.is_rms_norm(module), before.__name__
         assert converted(module) == [] and type(module) is before
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", sorted(FORMS) + ["gemma3n without scale"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(0, 17), (1, 1), (3, 17), (2, 5, 129), (1, 1, 1024)])
 def test_fused_forward_against_float64(form, dtype, shape):
     eps = 1e-6
-    module = tf.convert(FORMS[form](shape[-1], eps))
+    scaled = form != "gemma3n without scale"
+
+    def make():
+        return FORMS[form](shape[-1], eps) if scaled else Gemma3nRMSNorm(shape[-1], eps, with_scale=False)
+
+    module = tf.convert(make())
     x = torch.randn(shape) * 3
     w = torch.rand(shape[-1]) + 0.5
 
-    def reference(x, w):
-        if x.dtype != torch.float64:  # transformers' own forward
-            return torch.func.functional_call(FORMS[form](shape[-1], eps).to(w.dtype), {"weight": w}, (x,))
-        normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return normalized * (1 + w) if form == "gemma" else w * normalized
+    def run(module, x, w=None):
+        return torch.func.functional_call(module, {"weight": w} if scaled else {}, (x,))
 
-    out = compare_with_reference(lambda x, w: torch.func.functional_call(module, {"weight": w}, (x,)), reference,
-                                 [x.to(dtype), w.to(dtype)], grad_inputs=(0, 1), what=f"{form} {dtype} {shape}")
+    def reference(x, w=None):
+        if x.dtype != torch.float64:  # transformers' own forward
+            return run(make().to(x.dtype), x, w)
+        normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return normalized if not scaled else normalized * (1 + w) if form == "gemma" else w * normalized
+
+    inputs = [x.to(dtype), w.to(dtype)] if scaled else [x.to(dtype)]
+    out = compare_with_reference(lambda *args: run(module, *args), reference, inputs,
+                                 grad_inputs=(0, 1) if scaled else (0,), what=f"{form} {dtype} {shape}")
     assert out.dtype == dtype and out.shape == shape
 
 
@@ -132,10 +149,9 @@ def test_calls_it_does_not_serve_run_transformers_forward(form, fused_calls):
     ours = tf.convert(copy.deepcopy(original))
     x32 = torch.randn(2, 3, width)
     cases = {
-        "float64": (lambda m: m.double(), x32.double()),
         "weight of one element": (lambda m: m, x32),
     }
-    if form != "gemma":  # Gemma's form computes in float32 whatever the dtypes: served
+    if form in ("llama", "t5"):  # the other forms multiply in float32 whatever the dtypes: served
         cases["bfloat16 input, float32 weight"] = (lambda m: m, x32.bfloat16())
     for what, (prepare, x) in cases.items():
         a = copy.deepcopy(original)
@@ -190,7 +206,13 @@ def with_random_norm_weights(model):
     return model
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2])
+def tiny_olmo2():
+    config = transformers.Olmo2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.Olmo2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2, tiny_olmo2])
 def test_converted_models_compute_the_same(make):
     torch.manual_seed(0)
     original = with_random_norm_weights(make()).train()
@@ -224,7 +246,7 @@ def test_pickling_deep_copies_and_state_dicts():
         buffer.seek(0)
         for restored in (torch.load(buffer, weights_only=False), copy.deepcopy(ours)):
             assert type(restored.model.norm) is type(ours.model.norm)
-            assert type(restored.model.norm).forward is huggingface_norms._fused_weight_as_is
+            assert type(restored.model.norm).forward is huggingface_norms._fused_llama
             assert torch.equal(restored(input_ids=ids).logits, expected)
     assert list(ours.state_dict()) == list(original.state_dict())
     tiny_llama().load_state_dict(ours.state_dict(), strict=True)
@@ -244,8 +266,9 @@ def test_torch_compile_fullgraph_traces_the_fused_op():
     assert len(graphs) == 1 and "torch.ops.transformer_fast.layer_norm" in graphs[0]
 
 
-def test_gemma_form_with_a_float32_weight_and_a_bfloat16_input(fused_calls):
-    original = GemmaRMSNorm(40)
+@pytest.mark.parametrize("cls", [GemmaRMSNorm, Olmo2RMSNorm, Gemma3nRMSNorm])
+def test_float32_weight_with_a_bfloat16_input(cls, fused_calls):
+    original = cls(40)
     nn.init.normal_(original.weight, std=0.1)
     ours = tf.convert(copy.deepcopy(original))
     x = torch.randn(3, 40).bfloat16()
@@ -276,3 +299,22 @@ def test_gpu_converted_llama_under_cuda_autocast(fused_calls):
     # the comparison policy: at most twice transformers' own error under autocast, against float64
     error, their_error = ((t.double() - exact).abs().max().item() for t in (actual, theirs))
     assert error <= 2 * their_error + 1e-3, (error, their_error)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_float64_is_normalised_in_float64(form, fused_calls):
+    """transformers' forwards compute a float64 input in float32; converted, a float64 model is
+    float64-accurate (the package's rule for float64)."""
+    width, eps = 33, 1e-6
+    original = FORMS[form](width, eps).double()
+    with torch.no_grad():
+        original.weight.add_(torch.randn(width, dtype=torch.float64), alpha=0.2)
+    ours = tf.convert(copy.deepcopy(original))
+    x = torch.randn(4, width, dtype=torch.float64) * 3
+    normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = original.weight.detach()
+    exact = normalized * (1 + w) if form == "gemma" else normalized * w
+    actual = ours(x)
+    assert fused_calls == [torch.float64] and actual.dtype == torch.float64
+    assert (actual - exact).abs().max().item() < 1e-13
+    assert (original(x) - exact).abs().max().item() > 1e-9  # what transformers' forward gives: float32's error

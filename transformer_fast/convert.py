@@ -40,10 +40,10 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     """Replaces every ``torch.nn`` MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
     TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer inside
     ``model`` (``model`` itself included) with the transformer_fast drop-in, leaving everything
-    else alone. Hugging Face transformers' RMSNorm modules of the Llama, T5 and Gemma forms
-    (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``, ``Gemma3RMSNorm`` and the other families'
-    copies, recognised by their code) are turned into subclasses of their own class that run the
-    fused RMSNorm kernel (``transformer_fast.integrations.huggingface_norms`` says which calls, and
+    else alone. Hugging Face transformers' RMSNorm modules of the Llama, T5, Olmo 2, Gemma and
+    Gemma 3n forms (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``, ``GptOssRMSNorm``,
+    ``Gemma3RMSNorm`` and the other families' copies, recognised by their code) are turned into
+    subclasses of their own class that run the fused RMSNorm kernel (``transformer_fast.integrations.huggingface_norms`` says which calls, and
     how the results differ: by a rounding in bfloat16 and float16).
 
     The modules keep their parameters, buffers, hooks, device, dtype and train/eval mode (each is

@@ -1,44 +1,50 @@
 """Hugging Face ``transformers``' RMSNorm modules, run by the fused RMSNorm kernel (``convert``).
 
 transformers defines one RMSNorm class per model family (``LlamaRMSNorm``, ``Qwen3RMSNorm``,
-``T5LayerNorm``, ``Gemma3RMSNorm``, ... about 160 of them), most of them copies of three forwards:
+``T5LayerNorm``, ``Gemma3RMSNorm``, ``GptOssRMSNorm``, ... about 180 of them), most of them copies
+of five forwards (n = x.float() * rsqrt(mean(x.float()^2) + eps), the input normalised in float32):
 
-    Llama's: y = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
-    T5's:    the same where x and weight have one dtype (they differ only in the output dtype
-             of mixed-dtype calls)
-    Gemma's: y = (x.float() * rsqrt(mean(x.float()^2) + eps) * (1 + weight.float())).to(x.dtype)
+    Llama's:    y = weight * n.to(x.dtype)
+    T5's:       the same where x and weight have one dtype (they differ only in the output dtype
+                of mixed-dtype calls)
+    Olmo 2's:   y = (weight * n).to(x.dtype)                  (also GPT-OSS, Olmo 3, DeepSeek V4)
+    Gemma's:    y = (n * (1 + weight.float())).to(x.dtype)     (Gemma 1-3, Qwen3-Next, Qwen3.5)
+    Gemma 3n's: y = (n * weight.float()).to(x.dtype), or n.to(x.dtype) without a scale (Gemma 4)
 
-A module is recognised by its class's ``forward`` (and for Gemma's form, ``_norm``) having the
+A module is recognised by its class's ``forward`` (and ``_norm``, for the Gemma forms) having the
 code of one of those, compared with copies kept here (``_llama_forward``, ...): bytecode,
 constants and names, so class names, comments and line numbers do not matter, and a family whose
-forward differs in any way (Cohere's mean subtraction, gated norms, Gemma 3n's optional scale) is
-not taken. It must also hold a 1-D ``weight`` parameter and a number epsilon
-(``variance_epsilon``, Gemma's ``eps``), and have no ``forward`` of its own on the instance (as
+forward differs in any way (Cohere's mean subtraction, gated norms) is not taken. It must also hold
+a 1-D ``weight`` parameter (Gemma 3n's form: where ``with_scale``) and a number epsilon
+(``variance_epsilon``, or ``eps``), and have no ``forward`` of its own on the instance (as
 accelerate's hooks install). transformers is never imported: the comparison needs only the modules.
 
 ``convert`` turns such a module into a subclass of its own class (so ``isinstance`` checks and
 the state dict are unchanged) whose forward calls ``rms_norm`` where the result is the same
-function: a plain tensor (not a subclass such as DTensor, whose dispatch has no rule for our op)
-in float32, bfloat16 or float16, a weight as long as the last dim and of the input's dtype (Llama's
-and T5's forms; Gemma's computes ``1 + weight`` in float32 whatever its dtype), and no autocast for
-a low-precision input (our op follows torch's autocast rule for norms, which on CUDA would change
-the output dtype). Any other call runs the original forward; under torch.compile a plain tensor
-is still one, so the fused op is traced.
-The fused kernel rounds once (``x * rstd * weight`` in float32, then to the input dtype): Gemma's
-form exactly as transformers computes it; for Llama's and T5's, transformers rounds the
-normalised input before multiplying by the weight, so bfloat16 and float16 results differ from
-transformers' by a rounding, closer to exact.
+function: a plain tensor (not a subclass such as DTensor, whose dispatch has no rule for our op),
+a weight as long as the last dim (in Llama's and T5's forms, of the input's dtype), and no autocast
+for a low-precision input (our op follows torch's autocast rule for norms, which on CUDA would
+change the output dtype). Any other call runs the original forward; under torch.compile a plain
+tensor is still one, so the fused op is traced. A float64 input is normalised in float64 (by the
+plain-torch backend, as every function of the package takes float64), where transformers' forward
+computes in float32 and returns float64: a converted model in float64 is float64-accurate.
+The fused kernel computes ``n * weight`` in float32 and rounds once to the input dtype: the Olmo 2
+and Gemma forms exactly as transformers computes them (up to float32 rounding); in Llama's and
+T5's, transformers rounds n before multiplying by the weight, so bfloat16 and float16 results
+differ from transformers' by a rounding, closer to exact.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..layer_norm import rms_norm
 from ..modules import _NotScriptable
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FULL_PRECISION = (torch.float32, torch.float64)
 _any_autocast = torch._C._is_any_autocast_enabled
 
 
@@ -59,6 +65,14 @@ def _t5_forward(self, hidden_states):
     return self.weight * hidden_states
 
 
+def _olmo2_forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+
+
 def _gemma_norm(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
@@ -69,21 +83,66 @@ def _gemma_forward(self, x):
     return output.type_as(x)
 
 
-def _fused_weight_as_is(self, hidden_states):
+def _gemma3n_norm(self, hidden_states):
+    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+    return hidden_states * torch.pow(mean_squared, -0.5)
+
+
+def _gemma3n_forward(self, hidden_states):
+    normed_output = self._norm(hidden_states.float())
+    if self.with_scale:
+        normed_output = normed_output * self.weight.float()
+    return normed_output.type_as(hidden_states)
+
+
+def _served(x, weight):
+    """Whether the kernel computes what transformers' forward does for input x: a plain floating
+    tensor, the weight (if any) as long as its last dim, no autocast for a low-precision x."""
+    return (type(x) is torch.Tensor and x.dtype in _DTYPES and x.dim() > 0
+            and (weight is None or x.shape[-1:] == weight.shape) and (x.dtype in _FULL_PRECISION or not _any_autocast()))
+
+
+def _product_dtype(dtype):
+    """The precision the kernel normalises an input of `dtype` in."""
+    return torch.float64 if dtype is torch.float64 else torch.float32
+
+
+def _widened(weight, dtype):
+    """The weight as the kernel multiplies by it: as it is where of the input's dtype or, for a
+    low-precision input, float32 (the kernel widens it exactly); else converted to the product's
+    precision."""
+    if weight.dtype is dtype or weight.dtype is _product_dtype(dtype):
+        return weight
+    return weight.to(_product_dtype(dtype))
+
+
+def _fused_llama(self, hidden_states):
     weight = self._parameters["weight"]
-    if (type(hidden_states) is torch.Tensor and weight is not None and hidden_states.dtype is weight.dtype
-            and hidden_states.dtype in _KERNEL_DTYPES and hidden_states.shape[-1:] == weight.shape
-            and (hidden_states.dtype is torch.float32 or not _any_autocast())):
+    if weight is not None and hidden_states.dtype is weight.dtype and _served(hidden_states, weight):
         return rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
     return self._transformers_forward(hidden_states)
 
 
-def _fused_one_plus_weight(self, x):
+def _fused_olmo2(self, hidden_states):
     weight = self._parameters["weight"]
-    if (type(x) is torch.Tensor and weight is not None and x.dtype in _KERNEL_DTYPES and x.shape[-1:] == weight.shape
-            and (x.dtype is torch.float32 or not _any_autocast())):
-        return rms_norm(x, weight.shape, 1.0 + weight.float(), self.eps)
+    if weight is not None and _served(hidden_states, weight):
+        return rms_norm(hidden_states, weight.shape, _widened(weight, hidden_states.dtype), self.variance_epsilon)
+    return self._transformers_forward(hidden_states)
+
+
+def _fused_gemma(self, x):
+    weight = self._parameters["weight"]
+    if weight is not None and _served(x, weight):
+        return rms_norm(x, weight.shape, 1.0 + weight.to(_product_dtype(x.dtype)), self.eps)
     return self._transformers_forward(x)
+
+
+def _fused_gemma3n(self, hidden_states):
+    weight = self._parameters.get("weight") if self.with_scale else None
+    if (weight is not None or not self.with_scale) and _served(hidden_states, weight):
+        scale = None if weight is None else _widened(weight, hidden_states.dtype)
+        return rms_norm(hidden_states, hidden_states.shape[-1:], scale, self.eps)
+    return self._transformers_forward(hidden_states)
 
 
 def _code_key(function):
@@ -95,18 +154,26 @@ def _code_key(function):
     return code.co_code, code.co_consts, code.co_names, code.co_varnames, code.co_argcount, code.co_flags & 0x3FF
 
 
-# forward's code -> (the methods it calls and their code, the epsilon's attribute, the fused forward)
-_FORMS = {
-    _code_key(_llama_forward): ((), "variance_epsilon", _fused_weight_as_is),
-    _code_key(_t5_forward): ((), "variance_epsilon", _fused_weight_as_is),
-    _code_key(_gemma_forward): ((("_norm", _code_key(_gemma_norm)),), "eps", _fused_one_plus_weight),
+class _Form(NamedTuple):
+    methods: tuple  # (name, code key) of each method the forward calls
+    eps: str  # the epsilon's attribute
+    fused: Callable
+    scale_optional: bool = False  # the weight exists where `with_scale` is True
+
+
+_FORMS = {  # forward's code -> its form
+    _code_key(_llama_forward): _Form((), "variance_epsilon", _fused_llama),
+    _code_key(_t5_forward): _Form((), "variance_epsilon", _fused_llama),
+    _code_key(_olmo2_forward): _Form((), "variance_epsilon", _fused_olmo2),
+    _code_key(_gemma_forward): _Form((("_norm", _code_key(_gemma_norm)),), "eps", _fused_gemma),
+    _code_key(_gemma3n_forward): _Form((("_norm", _code_key(_gemma3n_norm)),), "eps", _fused_gemma3n, True),
 }
-FUSED_FORWARDS = (_fused_weight_as_is, _fused_one_plus_weight)
+FUSED_FORWARDS = tuple({form.fused for form in _FORMS.values()})
 
 
 def _form(cls):
     form = _FORMS.get(_code_key(getattr(cls, "forward", None)))
-    if form is None or any(_code_key(getattr(cls, name, None)) != key for name, key in form[0]):
+    if form is None or any(_code_key(getattr(cls, name, None)) != key for name, key in form.methods):
         return None
     return form
 
@@ -114,12 +181,16 @@ def _form(cls):
 def is_rms_norm(module) -> bool:
     """Whether ``module`` is a transformers RMSNorm that ``convert`` can run fused (module doc)."""
     form = _form(type(module))
-    if form is None:
+    if form is None or "forward" in module.__dict__:
+        return False
+    eps = module.__dict__.get(form.eps)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        return False
+    with_scale = module.__dict__.get("with_scale", True) if form.scale_optional else True
+    if not isinstance(with_scale, bool):
         return False
     weight = module._parameters.get("weight")
-    eps = module.__dict__.get(form[1])
-    return ("forward" not in module.__dict__ and weight is not None and weight.dim() == 1
-            and isinstance(eps, (int, float)) and not isinstance(eps, bool))
+    return (weight is not None and weight.dim() == 1) if with_scale else True
 
 
 def _reduce_ex(self, protocol):
@@ -142,7 +213,7 @@ def fused_class(transformers_class):
         "__qualname__": transformers_class.__qualname__,
         "__doc__": f"{transformers_class.__module__}.{transformers_class.__qualname__} running transformer_fast's "
                    f"fused RMSNorm kernel (transformer_fast.integrations.huggingface_norms).",
-        "forward": _form(transformers_class)[2],
+        "forward": _form(transformers_class).fused,
         "_transformers_class": transformers_class,
         "_transformers_forward": transformers_class.forward,
         "__reduce_ex__": _reduce_ex,
