@@ -441,7 +441,7 @@ def table(results, convert=False) -> str:
         "other inputs, or its shrunk config does not run); **not built**: no small model could be made.",
         "",
         *(["Our model also went through `transformer_fast.convert` (`--convert`): the detail ends with the "
-           "classes it converted (transformers' RMSNorm modules of Llama's, T5's and Gemma's forms; `torch.nn` "
+           "classes it converted (transformers' norm modules of the forms `convert` recognises; `torch.nn` "
            "LayerNorm, RMSNorm and MultiheadAttention where a model uses them).", ""] if convert else []),
         f"transformers {transformers.__version__}, torch {torch.__version__}"
         + (f", TRANSFORMER_FAST_BACKEND={os.environ['TRANSFORMER_FAST_BACKEND']}"

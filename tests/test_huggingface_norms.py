@@ -30,7 +30,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm,
-         "gemma3n": Gemma3nRMSNorm}
+         "gemma3n": Gemma3nRMSNorm, "cohere": CohereLayerNorm}
 
 
 class PowerThreeNorm(nn.Module):
@@ -72,11 +72,11 @@ def converted(module):
 
 @pytest.mark.parametrize("make", [LlamaRMSNorm, Qwen3RMSNorm, T5LayerNorm, MT5LayerNorm, InheritedLlamaNorm,
                                   Olmo2RMSNorm, GptOssRMSNorm, GemmaRMSNorm, Gemma3RMSNorm, Gemma3nRMSNorm,
-                                  lambda n: Gemma3nRMSNorm(n, with_scale=False)])
+                                  lambda n: Gemma3nRMSNorm(n, with_scale=False), CohereLayerNorm])
 def test_forms_taken(make):
     module = make(16)
     cls = type(module)
-    assert huggingface_norms.is_rms_norm(module)
+    assert huggingface_norms.is_convertible_norm(module)
     assert converted(module) == [""]
     assert isinstance(module, cls) and type(module).__name__ == cls.__name__
     assert type(module).forward in huggingface_norms.FUSED_FORWARDS
@@ -92,10 +92,11 @@ def test_other_norms_left_alone():
     matrix_weight.weight = nn.Parameter(torch.ones(2, 16))
     scale_without_weight = Gemma3nRMSNorm(16)
     del scale_without_weight.weight
-    for module in (MambaRMSNormGated(16, 16), ShiftedGemmaNorm(16), CohereLayerNorm(16), PowerThreeNorm(16),
+    per_head = CohereLayerNorm((4, 16))  # Cohere's query/key norm: a weight per head
+    for module in (MambaRMSNormGated(16, 16), ShiftedGemmaNorm(16), per_head, PowerThreeNorm(16),
                    DoubledLlamaNorm(16), patched, without_weight, matrix_weight, scale_without_weight):
         before = type(module)
-        assert not huggingface_norms.is_rms_norm(module), before.__name__
+        assert not huggingface_norms.is_convertible_norm(module), before.__name__
         assert converted(module) == [] and type(module) is before
 
 
@@ -119,6 +120,9 @@ def test_fused_forward_against_float64(form, dtype, shape):
     def reference(x, w=None):
         if x.dtype != torch.float64:  # transformers' own forward
             return run(make().to(x.dtype), x, w)
+        if form == "cohere":
+            centred = x - x.mean(-1, keepdim=True)
+            return w * centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
         normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return normalized if not scaled else normalized * (1 + w) if form == "gemma" else w * normalized
 
@@ -130,14 +134,14 @@ def test_fused_forward_against_float64(form, dtype, shape):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
+    """The input dtypes of the fused ops' calls (RMSNorm's, and LayerNorm's for Cohere's form)."""
     calls = []
-    original = huggingface_norms.rms_norm
+    for name in ("rms_norm", "layer_norm"):
+        def counting(*args, original=getattr(huggingface_norms, name), **kwargs):
+            calls.append(args[0].dtype)
+            return original(*args, **kwargs)
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(huggingface_norms, "rms_norm", counting)
+        monkeypatch.setattr(huggingface_norms, name, counting)
     return calls
 
 
@@ -212,14 +216,22 @@ def tiny_olmo2():
     return transformers.Olmo2ForCausalLM(config)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2, tiny_olmo2])
+def tiny_cohere():
+    config = transformers.CohereConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       use_qk_norm=True)
+    return transformers.CohereForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_t5, tiny_gemma2, tiny_olmo2, tiny_cohere])
 def test_converted_models_compute_the_same(make):
     torch.manual_seed(0)
     original = with_random_norm_weights(make()).train()
     ours = copy.deepcopy(original)
     names = converted(ours)
-    norm_names = [name for name, m in original.named_modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
-    assert names == norm_names and len(names) >= 5
+    norm_names = [name for name, m in original.named_modules()  # Cohere's per-head query/key norms stay
+                  if type(m).__name__.endswith(("RMSNorm", "LayerNorm")) and m.weight.dim() == 1]
+    assert names == norm_names and len(names) >= 3
     ids = torch.randint(3, 97, (2, 9))
     inputs = dict(input_ids=ids, labels=ids) if make is tiny_t5 else dict(input_ids=ids)
     out_a, out_b = original(**inputs).logits, ours(**inputs).logits
@@ -266,7 +278,7 @@ def test_torch_compile_fullgraph_traces_the_fused_op():
     assert len(graphs) == 1 and "torch.ops.transformer_fast.layer_norm" in graphs[0]
 
 
-@pytest.mark.parametrize("cls", [GemmaRMSNorm, Olmo2RMSNorm, Gemma3nRMSNorm])
+@pytest.mark.parametrize("cls", [GemmaRMSNorm, Olmo2RMSNorm, Gemma3nRMSNorm, CohereLayerNorm])
 def test_float32_weight_with_a_bfloat16_input(cls, fused_calls):
     original = cls(40)
     nn.init.normal_(original.weight, std=0.1)
@@ -311,7 +323,8 @@ def test_float64_is_normalised_in_float64(form, fused_calls):
         original.weight.add_(torch.randn(width, dtype=torch.float64), alpha=0.2)
     ours = tf.convert(copy.deepcopy(original))
     x = torch.randn(4, width, dtype=torch.float64) * 3
-    normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    centred = x - x.mean(-1, keepdim=True) if form == "cohere" else x
+    normalized = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
     w = original.weight.detach()
     exact = normalized * (1 + w) if form == "gemma" else normalized * w
     actual = ours(x)

@@ -1,5 +1,5 @@
 """``convert``: swaps the torch.nn attention, normalisation and Transformer modules of any model
-(and Hugging Face transformers' RMSNorm modules) for transformer_fast's drop-ins."""
+(and Hugging Face transformers' norm modules) for transformer_fast's drop-ins."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .integrations.huggingface_norms import fused_class, is_rms_norm
+from .integrations.huggingface_norms import fused_class, is_convertible_norm
 from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
                       TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, _adopt, _check_attention)
 
@@ -40,11 +40,12 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     """Replaces every ``torch.nn`` MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
     TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer inside
     ``model`` (``model`` itself included) with the transformer_fast drop-in, leaving everything
-    else alone. Hugging Face transformers' RMSNorm modules of the Llama, T5, Olmo 2, Gemma and
-    Gemma 3n forms (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``, ``GptOssRMSNorm``,
-    ``Gemma3RMSNorm`` and the other families' copies, recognised by their code) are turned into
-    subclasses of their own class that run the fused RMSNorm kernel (``transformer_fast.integrations.huggingface_norms`` says which calls, and
-    how the results differ: by a rounding in bfloat16 and float16).
+    else alone. Hugging Face transformers' norm modules of the Llama, T5, Olmo 2, Gemma, Gemma 3n
+    and Cohere forms (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``T5LayerNorm``, ``GptOssRMSNorm``,
+    ``Gemma3RMSNorm``, ``CohereLayerNorm`` and the other families' copies, recognised by their
+    code) are turned into subclasses of their own class that run the fused kernels
+    (``transformer_fast.integrations.huggingface_norms`` says which calls, and how the results
+    differ: by a rounding in bfloat16 and float16).
 
     The modules keep their parameters, buffers, hooks, device, dtype and train/eval mode (each is
     turned into the drop-in subclass, which has the same parameter names and state-dict keys).
@@ -69,7 +70,7 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     for _, module in modules:  # pre-order: a converted stack converts its own layers first
         cls = _REPLACEMENTS.get(type(module))
         if cls is None:
-            if is_rms_norm(module):
+            if is_convertible_norm(module):
                 _adopt(module, fused_class(type(module)))
             continue
         if hasattr(cls, "from_torch"):

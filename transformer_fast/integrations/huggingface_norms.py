@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers``' RMSNorm modules, run by the fused RMSNorm kernel (``convert``).
+"""Hugging Face ``transformers``' norm modules, run by the fused LayerNorm/RMSNorm kernel (``convert``).
 
 transformers defines one RMSNorm class per model family (``LlamaRMSNorm``, ``Qwen3RMSNorm``,
 ``T5LayerNorm``, ``Gemma3RMSNorm``, ``GptOssRMSNorm``, ... about 180 of them), most of them copies
@@ -11,27 +11,30 @@ of five forwards (n = x.float() * rsqrt(mean(x.float()^2) + eps), the input norm
     Gemma's:    y = (n * (1 + weight.float())).to(x.dtype)     (Gemma 1-3, Qwen3-Next, Qwen3.5)
     Gemma 3n's: y = (n * weight.float()).to(x.dtype), or n.to(x.dtype) without a scale (Gemma 4)
 
+and Cohere's LayerNorm without bias, y = (weight.float() * LN(x.float())).to(x.dtype) (Cohere,
+Cohere 2), which runs the LayerNorm kernel.
+
 A module is recognised by its class's ``forward`` (and ``_norm``, for the Gemma forms) having the
 code of one of those, compared with copies kept here (``_llama_forward``, ...): bytecode,
 constants and names, so class names, comments and line numbers do not matter, and a family whose
-forward differs in any way (Cohere's mean subtraction, gated norms) is not taken. It must also hold
-a 1-D ``weight`` parameter (Gemma 3n's form: where ``with_scale``) and a number epsilon
+forward differs in any way (gated norms) is not taken. It must also hold a 1-D ``weight``
+parameter (Gemma 3n's form: where ``with_scale``) and a number epsilon
 (``variance_epsilon``, or ``eps``), and have no ``forward`` of its own on the instance (as
 accelerate's hooks install). transformers is never imported: the comparison needs only the modules.
 
 ``convert`` turns such a module into a subclass of its own class (so ``isinstance`` checks and
-the state dict are unchanged) whose forward calls ``rms_norm`` where the result is the same
-function: a plain tensor (not a subclass such as DTensor, whose dispatch has no rule for our op),
-a weight as long as the last dim (in Llama's and T5's forms, of the input's dtype), and no autocast
-for a low-precision input (our op follows torch's autocast rule for norms, which on CUDA would
-change the output dtype). Any other call runs the original forward; under torch.compile a plain
-tensor is still one, so the fused op is traced. A float64 input is normalised in float64 (by the
-plain-torch backend, as every function of the package takes float64), where transformers' forward
-computes in float32 and returns float64: a converted model in float64 is float64-accurate.
-The fused kernel computes ``n * weight`` in float32 and rounds once to the input dtype: the Olmo 2
-and Gemma forms exactly as transformers computes them (up to float32 rounding); in Llama's and
-T5's, transformers rounds n before multiplying by the weight, so bfloat16 and float16 results
-differ from transformers' by a rounding, closer to exact.
+the state dict are unchanged) whose forward calls ``rms_norm`` (Cohere's: ``layer_norm``) where
+the result is the same function: a plain tensor (not a subclass such as DTensor, whose dispatch
+has no rule for our ops), a weight as long as the last dim (in Llama's and T5's forms, of the
+input's dtype), and no autocast for a low-precision input (our ops follow torch's autocast rule
+for norms, which on CUDA would change the output dtype). Any other call runs the original
+forward; under torch.compile a plain tensor is still one, so the fused op is traced. A float64
+input is normalised in float64 (by the plain-torch backend, as every function of the package
+takes float64), where transformers' forward computes in float32 and returns float64: a converted
+model in float64 is float64-accurate. The fused kernels compute ``n * weight`` in float32 and
+round once to the input dtype: the Olmo 2, Gemma and Cohere forms as transformers computes them
+(up to float32 rounding); in Llama's and T5's, transformers rounds n before multiplying by the
+weight, so bfloat16 and float16 results differ from transformers' by a rounding, closer to exact.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..layer_norm import rms_norm
+from ..layer_norm import layer_norm, rms_norm
 from ..modules import _NotScriptable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -95,11 +98,22 @@ def _gemma3n_forward(self, hidden_states):
     return normed_output.type_as(hidden_states)
 
 
+def _cohere_forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    mean = hidden_states.mean(-1, keepdim=True)
+    variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+    hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight.to(torch.float32) * hidden_states
+    return hidden_states.to(input_dtype)
+
+
 def _served(x, weight):
     """Whether the kernel computes what transformers' forward does for input x: a plain floating
     tensor, the weight (if any) as long as its last dim, no autocast for a low-precision x."""
     return (type(x) is torch.Tensor and x.dtype in _DTYPES and x.dim() > 0
-            and (weight is None or x.shape[-1:] == weight.shape) and (x.dtype in _FULL_PRECISION or not _any_autocast()))
+            and (weight is None or x.shape[-1:] == weight.shape)
+            and (x.dtype in _FULL_PRECISION or not _any_autocast()))
 
 
 def _product_dtype(dtype):
@@ -145,6 +159,14 @@ def _fused_gemma3n(self, hidden_states):
     return self._transformers_forward(hidden_states)
 
 
+def _fused_cohere(self, hidden_states):
+    weight = self._parameters["weight"]
+    if weight is not None and weight.dim() == 1 and _served(hidden_states, weight):
+        return layer_norm(hidden_states, weight.shape, _widened(weight, hidden_states.dtype), None,
+                          self.variance_epsilon)
+    return self._transformers_forward(hidden_states)
+
+
 def _code_key(function):
     code = getattr(function, "__code__", None)
     if code is None:
@@ -167,6 +189,7 @@ _FORMS = {  # forward's code -> its form
     _code_key(_olmo2_forward): _Form((), "variance_epsilon", _fused_olmo2),
     _code_key(_gemma_forward): _Form((("_norm", _code_key(_gemma_norm)),), "eps", _fused_gemma),
     _code_key(_gemma3n_forward): _Form((("_norm", _code_key(_gemma3n_norm)),), "eps", _fused_gemma3n, True),
+    _code_key(_cohere_forward): _Form((), "variance_epsilon", _fused_cohere),
 }
 FUSED_FORWARDS = tuple({form.fused for form in _FORMS.values()})
 
@@ -178,8 +201,8 @@ def _form(cls):
     return form
 
 
-def is_rms_norm(module) -> bool:
-    """Whether ``module`` is a transformers RMSNorm that ``convert`` can run fused (module doc)."""
+def is_convertible_norm(module) -> bool:
+    """Whether ``module`` is a transformers norm that ``convert`` can run fused (module doc)."""
     form = _form(type(module))
     if form is None or "forward" in module.__dict__:
         return False
@@ -206,13 +229,13 @@ def _new_fused(transformers_class):
 
 @functools.lru_cache(maxsize=None)
 def fused_class(transformers_class):
-    """The subclass of ``transformers_class`` (a recognised RMSNorm class) whose forward runs the
+    """The subclass of ``transformers_class`` (a recognised norm class) whose forward runs the
     fused kernel; made once per class, with the same name."""
     return type(transformers_class.__name__, (_NotScriptable, transformers_class), {
         "__module__": __name__,
         "__qualname__": transformers_class.__qualname__,
         "__doc__": f"{transformers_class.__module__}.{transformers_class.__qualname__} running transformer_fast's "
-                   f"fused RMSNorm kernel (transformer_fast.integrations.huggingface_norms).",
+                   f"fused norm kernel (transformer_fast.integrations.huggingface_norms).",
         "forward": _form(transformers_class).fused,
         "_transformers_class": transformers_class,
         "_transformers_forward": transformers_class.forward,
