@@ -116,3 +116,27 @@ def result_strides(like, width):
         B, H, N = like.shape[:3]
         return torch.empty(B, N, H, width).transpose(1, 2).stride()
     return torch.empty(*like.shape[:-1], width).stride()
+
+
+# Two fp32 models computing the same function: what their kernels' fp32 error allows at the small
+# sizes the model tests use.
+MODEL_TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+def compare_logits_and_grads(ref, ours, inputs):
+    """`ours(**inputs).logits` and every parameter gradient (one random upstream gradient) against
+    `ref`'s, within MODEL_TOL; a parameter without a gradient in one must have none in the other."""
+    out_r = ref(**inputs).logits
+    out_o = ours(**inputs).logits
+    torch.testing.assert_close(out_o, out_r, **MODEL_TOL)
+    dout = torch.randn_like(out_r)
+    params_r = [p for p in ref.parameters() if p.requires_grad]
+    params_o = [p for p in ours.parameters() if p.requires_grad]
+    grads_r = torch.autograd.grad(out_r, params_r, dout, allow_unused=True)
+    grads_o = torch.autograd.grad(out_o, params_o, dout, allow_unused=True)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, grads_o, grads_r):
+        if b is None:
+            assert a is None, name
+        else:
+            torch.testing.assert_close(a, b, **MODEL_TOL, msg=lambda m: f"grad of {name}: {m}")

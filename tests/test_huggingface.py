@@ -11,8 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import transformer_fast.integrations.huggingface as tf_hf  # noqa: E402
+from helpers import MODEL_TOL, compare_logits_and_grads  # noqa: E402
 
-TOL = dict(atol=1e-5, rtol=1e-4)
+TOL = MODEL_TOL
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,23 +44,6 @@ def pair(model_cls, config):
     assert ref.config._attn_implementation == "sdpa"
     assert ours.config._attn_implementation == "transformer_fast"
     return ref, ours
-
-
-def compare_logits_and_grads(ref, ours, inputs):
-    out_r = ref(**inputs).logits
-    out_o = ours(**inputs).logits
-    torch.testing.assert_close(out_o, out_r, **TOL)
-    dout = torch.randn_like(out_r)
-    params_r = [p for p in ref.parameters() if p.requires_grad]
-    params_o = [p for p in ours.parameters() if p.requires_grad]
-    grads_r = torch.autograd.grad(out_r, params_r, dout, allow_unused=True)
-    grads_o = torch.autograd.grad(out_o, params_o, dout, allow_unused=True)
-    names = [n for n, p in ref.named_parameters() if p.requires_grad]
-    for name, a, b in zip(names, grads_o, grads_r):
-        if b is None:
-            assert a is None, name
-        else:
-            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"grad of {name}: {m}")
 
 
 def bart_config():

@@ -1,9 +1,9 @@
-"""convert() on Hugging Face transformers' RMSNorm modules (transformer_fast.integrations.huggingface_norms):
+"""convert() on Hugging Face transformers' norm modules (transformer_fast.integrations.huggingface_norms):
 which modules are taken (by their forward's code, never by name), that the fused forward matches
 the float64 formula within the comparison policy (tests/helpers.py: transformers' own forward in
 the same dtype is the plain-torch reference), that every call it does not serve runs transformers'
-forward unchanged, and that converted models compute what the originals did (fp32: atol=1e-5,
-rtol=1e-4) and survive pickling."""
+forward unchanged, and that converted models compute what the originals did (fp32: helpers.MODEL_TOL)
+and survive pickling."""
 import copy
 import io
 
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import transformer_fast as tf  # noqa: E402
 from transformer_fast.integrations import huggingface_norms  # noqa: E402
-from helpers import compare_with_reference  # noqa: E402
+from helpers import compare_logits_and_grads, compare_with_reference  # noqa: E402
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm  # noqa: E402
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E402
@@ -28,7 +28,6 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 
-TOL = dict(atol=1e-5, rtol=1e-4)
 FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm,
          "gemma3n": Gemma3nRMSNorm, "cohere": CohereLayerNorm}
 
@@ -233,17 +232,8 @@ def test_converted_models_compute_the_same(make):
                   if type(m).__name__.endswith(("RMSNorm", "LayerNorm")) and m.weight.dim() == 1]
     assert names == norm_names and len(names) >= 3
     ids = torch.randint(3, 97, (2, 9))
-    inputs = dict(input_ids=ids, labels=ids) if make is tiny_t5 else dict(input_ids=ids)
-    out_a, out_b = original(**inputs).logits, ours(**inputs).logits
-    torch.testing.assert_close(out_b, out_a, **TOL)
-    dout = torch.randn_like(out_a)
-    grads_a = torch.autograd.grad(out_a, list(original.parameters()), dout, allow_unused=True)
-    grads_b = torch.autograd.grad(out_b, list(ours.parameters()), dout, allow_unused=True)
-    for (name, _), a, b in zip(original.named_parameters(), grads_a, grads_b):
-        if a is None:
-            assert b is None, name
-        else:
-            torch.testing.assert_close(b, a, **TOL, msg=lambda m: f"grad of {name}: {m}")
+    compare_logits_and_grads(original, ours, dict(input_ids=ids, labels=ids) if make is tiny_t5 else
+                             dict(input_ids=ids))
 
 
 def test_pickling_deep_copies_and_state_dicts():

@@ -43,10 +43,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .._backends import KERNEL_DTYPES
 from ..layer_norm import layer_norm, rms_norm
 from ..modules import _NotScriptable
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = (*KERNEL_DTYPES, torch.float64)  # float64 through the plain-torch backend
 _FULL_PRECISION = (torch.float32, torch.float64)
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -161,7 +162,7 @@ def _fused_gemma3n(self, hidden_states):
 
 def _fused_cohere(self, hidden_states):
     weight = self._parameters["weight"]
-    if weight is not None and weight.dim() == 1 and _served(hidden_states, weight):
+    if weight is not None and _served(hidden_states, weight):  # a per-head (2-D) weight is not the last dim's
         return layer_norm(hidden_states, weight.shape, _widened(weight, hidden_states.dtype), None,
                           self.variance_epsilon)
     return self._transformers_forward(hidden_states)
