@@ -6,10 +6,11 @@
 //     dispatcher's (backend=..., the torch.func transforms);
 //   * the kernel-level functions, for those paths;
 //   * the signatures of an op kernel's call and of a Triton launch's arguments (launch_signature.cpp),
-//     for kernels/_launch.py;
+//     and launches of compiled Triton kernels from C++ (triton_launch.cpp), for kernels/_launch.py;
 //   * `direct`, the check that lets a Python function take the first path.
 #include "launch_signature.h"
 #include "ops.h"
+#include "triton_launch.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -248,6 +249,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
   m.def("call_signature", &tf::call_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
+  tf::bind_packed_launch(m);
   m.def("layer_norm_forward", &tf::layer_norm_forward);
   m.def("layer_norm_backward", &tf::layer_norm_backward);
   m.def("linear_attention_forward", &tf::linear_attention_forward);

@@ -33,14 +33,28 @@ dropout seed), as `LaunchPlan`s; `run(plan, tensors)` then launches the plan's c
 with no key built and nothing looked up. That is sound because each launch argument of a plan is
 then fixed by the signature (grids, strides, flags, tiles) or is one of the call's tensors, whose
 dtypes and alignments the signature fixes too, or a new output (aligned by its allocator); the
-seed's value enters the signature by what Triton specialises on (`seed_class`)."""
+seed's value enters the signature by what Triton specialises on (`seed_class`).
+
+Packed launches take the last step out of Python: with TRANSFORMER_FAST_NATIVE_LAUNCH=1, a plan's
+direct launch also gets a `PackedLaunch` (csrc/triton_launch.cpp) holding the kernel's parameters
+packed as Triton's launcher would pass them, and `run` hands it the call's tensors and seed: C++
+writes their addresses into a copy, takes the device's current stream and calls cuLaunchKernel.
+Triton's launcher instead asks each tensor for its address through Python, and the driver to check
+it, on every launch. Packed launches cover a CUDA driver's kernels with one CTA per cluster, no
+launch attributes (PDL, cooperative grids), no scratch memory and scalar parameters of int, uint and
+fp32 types; anything else launches as before. Off by default: they have been checked against
+Triton's own arguments only without a GPU (`benchmarks/tools/launch_overhead_triton.py --check`,
+through a recording CUDA driver library)."""
+import ctypes
 import os
+import struct
 import threading
 import weakref
 
 from ._utils import interpreting
 
 _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
+_NATIVE = os.environ.get("TRANSFORMER_FAST_NATIVE_LAUNCH", "0") == "1"
 # The launcher call below is Triton's own (JITFunction.run) from 3.6 on, the versions checked
 # (3.6 and 3.9); older ones launch through Triton's run.
 _FIRST_DIRECT_TRITON = (3, 6)
@@ -68,6 +82,7 @@ class CompiledLaunch:
     def __init__(self, kernel):
         self.kernel = kernel  # a triton.JITFunction (an InterpretedFunction under the interpreter)
         self.direct = _DIRECT and not interpreting() and _triton_version() >= _FIRST_DIRECT_TRITON
+        self.native = _NATIVE  # plans' direct launches packed for C++ (module docstring)
         self.entries = {}
         self.generation = 0  # counts `forget`s: a plan's direct launch is of the generation it was made in
         self._driver = None
@@ -112,23 +127,48 @@ class CompiledLaunch:
 
     def run(self, plan, tensors, seed=0):
         """Launches `plan` (a LaunchPlan of this kernel) with the call's `tensors` and `seed`."""
-        args = plan.args(tensors, seed)
-        if not self.launch_planned(plan, args):
-            plan.remember(self, self.launch(plan.grid, args, plan.kwargs), plan.kwargs)
+        if not self.launch_planned(plan, tensors, seed):
+            plan.remember(self, self.launch(plan.grid, plan.args(tensors, seed), plan.kwargs), plan.kwargs,
+                          len(tensors))
 
-    def launch_planned(self, plan, args):
-        """Launches `plan`'s compiled kernel with `args` where it is known and current; True if it did."""
+    def launch_planned(self, plan, tensors, seed):
+        """Launches `plan`'s compiled kernel with the call's `tensors` and `seed` where it is known
+        and current; True if it did."""
         direct = plan.direct
         if direct is None or not self.direct:
             return False
-        compiled, grid, tail, device, generation = direct
+        compiled, grid, tail, device, generation, packed = direct
         driver, runtime = self._driver
-        if generation != self.generation or driver.get_current_device() != device or \
-                _launch_hooks_installed(runtime) or self._pre_run_hooks:
+        if generation != self.generation or _launch_hooks_installed(runtime) or self._pre_run_hooks:
+            return False
+        if packed is not None and self.native:
+            return packed.launch(tensors, seed)  # False where another device is current
+        if driver.get_current_device() != device:
             return False
         compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *tail)
+                     compiled.packed_metadata, None, None, None, *plan.args(tensors, seed), *tail)
         return True
+
+    def packed(self, compiled, grid, plan, n_tensors, device):
+        """`plan`'s launch of `compiled` over `grid` as a PackedLaunch (module docstring), or None
+        where packed launches are off or do not cover it."""
+        if not self.native:
+            return None
+        driver = self._driver[0]
+        functions = _cuda_driver_functions(driver)
+        packing = None if functions is None else _pack_params(self.kernel, compiled, plan, n_tensors)
+        if packing is None:
+            return None
+        from transformer_fast import _build  # here, not at import: this package also imports alone
+
+        params, tensor_params, seed_param = packing
+        try:
+            return _build.extension().PackedLaunch(
+                compiled.function, grid, 32 * compiled.metadata.num_warps, compiled.metadata.shared, params,
+                tensor_params, seed_param, functions, device, getattr(driver, "fixed_stream", None))
+        except RuntimeError:  # a torch whose CUDA device guard gives no native stream handle
+            self.native = False
+            return None
 
     def _bind(self):
         from triton import knobs
@@ -195,15 +235,15 @@ class TunedLaunch:
     def run(self, plan, tensors, seed=0):
         """Launches `plan` (a LaunchPlan of this kernel, its `key` the choice's) with the call's
         `tensors` and `seed`."""
-        args = plan.args(tensors, seed)
-        if self.compiled.launch_planned(plan, args):
+        if self.compiled.launch_planned(plan, tensors, seed):
             return
+        args = plan.args(tensors, seed)
         config = self.chosen.get(plan.key)
         if config is None:
             self(plan.key, plan.grid, *args, **plan.kwargs)
             return
         kwargs = {**plan.kwargs, **config}
-        plan.remember(self.compiled, self.compiled.launch(plan.grid, args, kwargs), kwargs)
+        plan.remember(self.compiled, self.compiled.launch(plan.grid, args, kwargs), kwargs, len(tensors))
 
     def forget(self):
         self.chosen.clear()
@@ -228,18 +268,94 @@ class LaunchPlan:
 
     def __init__(self, grid, scalars, kwargs, key=None, seed_at=None):
         self.grid, self.scalars, self.kwargs, self.key, self.seed_at = grid, tuple(scalars), kwargs, key, seed_at
-        self.direct = None  # (compiled kernel, grid, tail, device, generation) once known
+        self.direct = None  # (compiled kernel, grid, tail, device, generation, PackedLaunch or None) once known
 
     def args(self, tensors, seed):
         if self.seed_at is None:
             return (*tensors, *self.scalars)
         return (*tensors, *self.scalars[:self.seed_at], seed, *self.scalars[self.seed_at + 1:])
 
-    def remember(self, launch, launched, kwargs):
-        """Keeps the compiled kernel `launch.launch` returned (`launched`), for the next calls."""
+    def remember(self, launch, launched, kwargs, n_tensors):
+        """Keeps the compiled kernel `launch.launch` returned (`launched`) for the next calls, which
+        pass `n_tensors` tensors."""
         if launched is not None:
             (compiled, tail), device = launched
-            self.direct = (compiled, _grid3(self.grid, kwargs), tail, device, launch.generation)
+            grid = _grid3(self.grid, kwargs)
+            self.direct = (compiled, grid, tail, device, launch.generation,
+                           launch.packed(compiled, grid, self, n_tensors, device))
+
+
+_INT_TYPES = frozenset(("i1", "i8", "i16", "i32", "i64"))
+_UINT_TYPES = frozenset(("u1", "u8", "u16", "u32", "u64"))
+_MAX_SHARED_WITHOUT_ATTRIBUTE = 228 * 1024  # beyond it Triton 3.9 launches with an attribute: not packed
+_MAX_PACKED_PARAMS = 128  # csrc/triton_launch.cpp's kMaxParams
+_driver_functions = {}
+
+
+def _cuda_driver_functions(driver):
+    """The addresses of cuLaunchKernel, cuCtxGetCurrent and cuGetErrorName in `driver`'s CUDA library
+    (its `cuda_library`, else libcuda.so.1, which torch has loaded), or None for a driver that is
+    not CUDA's or a library that does not load."""
+    library = getattr(driver, "cuda_library", "libcuda.so.1")
+    if library not in _driver_functions:
+        functions = None
+        try:
+            if driver.get_current_target().backend == "cuda":
+                lib = ctypes.CDLL(library)
+                functions = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                                  for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuGetErrorName"))
+        except (OSError, AttributeError):
+            functions = None
+        _driver_functions[library] = functions
+    return _driver_functions[library]
+
+
+def _pack_params(kernel, compiled, plan, n_tensors):
+    """(params, tensor_params, seed_param) of csrc/triton_launch.cpp for `plan`'s launch of
+    `compiled` (made from `kernel`): Triton's signature without its constexprs, 8 bytes each, the
+    tensors' and the seed's slots left for each launch, then the two scratch pointers; None where
+    a PackedLaunch does not cover the launch (module docstring)."""
+    meta = compiled.metadata
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_pdl", False) or
+            getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "global_scratch_size", 0) or
+            getattr(meta, "profile_scratch_size", 0) or getattr(meta, "tensordesc_meta", None) or
+            meta.shared > _MAX_SHARED_WITHOUT_ATTRIBUTE or getattr(compiled.run, "gsan_enabled", False)):
+        return None
+    types = list(compiled.src.signature.values())
+    n_args = n_tensors + len(plan.scalars)
+    if len(types) != len(kernel.params) or n_args > len(types):
+        return None
+    params, tensor_params, seed_param = bytearray(), [], -1
+    for i, ty in enumerate(types):
+        if ty == "constexpr":
+            continue
+        slot = len(params) // 8
+        if i >= n_args or not isinstance(ty, str):  # a run-time argument by keyword; a tuple
+            return None
+        if ty.startswith("*"):
+            if i >= n_tensors:
+                return None
+            tensor_params.append((slot, i))
+            params += bytes(8)
+        elif i < n_tensors:
+            return None
+        elif i - n_tensors == plan.seed_at:
+            if ty not in ("i32", "i64"):
+                return None
+            seed_param = slot
+            params += bytes(8)
+        elif ty in _INT_TYPES:
+            params += struct.pack("<q", int(plan.scalars[i - n_tensors]))
+        elif ty in _UINT_TYPES:
+            params += struct.pack("<Q", int(plan.scalars[i - n_tensors]))
+        elif ty in ("fp32", "f32"):
+            params += struct.pack("<f", float(plan.scalars[i - n_tensors])) + bytes(4)
+        else:
+            return None
+    params += bytes(16)  # the global and profile scratch pointers: none
+    if len(params) > 8 * _MAX_PACKED_PARAMS:
+        return None
+    return bytes(params), tensor_params, seed_param
 
 
 def seed_class(seed):

@@ -5,8 +5,10 @@ recording driver: Triton's `run` and the direct launch must call the same compil
 launcher with the same grid, stream and arguments, for arguments that differ in every way
 Triton specialises on (dtype, alignment, ints equal to 1, divisible by 16, wider than 32 bits)."""
 import random
+import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,11 @@ import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from transformer_fast.kernels._launch import CompiledLaunch  # noqa: E402
+from transformer_fast.kernels._launch import CompiledLaunch, LaunchPlan, _pack_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is run from the repository root, not installed
-from benchmarks.tools.recording_driver import recording_driver  # noqa: E402
+from benchmarks.tools.recording_driver import STREAM, library, library_launches, recording_driver  # noqa: E402
 
 
 def scaled_copy(X, Y, stride_x, stride_y, n, alpha, flag, BLOCK: tl.constexpr, SCALE: tl.constexpr):
@@ -131,7 +133,82 @@ def test_package_launchers_launch_directly_what_triton_would():
     result = subprocess.run([sys.executable, "-m", "benchmarks.tools.launch_overhead_triton", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": same") == 22, result.stdout
+    assert result.stdout.count(": same") == 44, result.stdout  # 22 direct, 22 packed
+
+
+def _packed_copy(recording):
+    """A CompiledLaunch of scaled_copy with packed launches on, and a plan for it whose `n` is the
+    "seed" (the argument that changes from call to call)."""
+    launch = CompiledLaunch(JITFunction(scaled_copy))
+    launch.direct = launch.native = True
+    plan = LaunchPlan((4,), (1, 1, 64, 0.5, True), dict(BLOCK=16, SCALE=2), seed_at=2)
+    return launch, plan
+
+
+def test_packed_launch_passes_the_plan_with_each_calls_tensors_and_seed(recording):
+    launch, plan = _packed_copy(recording)
+    lib = library()
+    x, y = torch.empty(64), torch.empty(64)
+    launch.run(plan, (x, y), 64)  # through Triton's run: compiles; the plan keeps the kernel, packed
+    assert recording[-1][5]
+    compiled, packed = plan.direct[0], plan.direct[5]
+    assert packed is not None
+    lib.recording_set_param_count(compiled.function, packed.num_params)
+    lib.recording_clear()
+    n_recorded = len(recording)
+    a, b = torch.empty(64), torch.empty(80)[16:]
+    launch.run(plan, (a, b), 80)  # packed: the driver's cuLaunchKernel, no launcher
+    assert len(recording) == n_recorded
+    (function, grid, block, shared, stream, params, attributes), = library_launches()
+    block_x, shared_bytes = 32 * compiled.metadata.num_warps, compiled.metadata.shared
+    wanted = (compiled.function, (4, 1, 1), (block_x, 1, 1), shared_bytes, STREAM, 0)
+    assert (function, grid, block, shared, stream, attributes) == wanted
+    # X, Y, stride_x, stride_y (1: a constexpr to Triton, not passed), n, alpha, flag; two scratch pointers
+    slots = [params[i:i + 8] for i in range(0, len(params), 8)]
+    assert slots == [struct.pack("<Q", a.data_ptr()), struct.pack("<Q", b.data_ptr()), struct.pack("<q", 80),
+                     struct.pack("<f", 0.5) + bytes(4), struct.pack("<q", 1), bytes(8), bytes(8)]
+    assert packed.pack((a, b), 80) == params
+
+
+def test_packed_launch_falls_back_refuses_and_reports(recording):
+    from transformer_fast import _build
+
+    launch, plan = _packed_copy(recording)
+    lib = library()
+    x, y = torch.empty(64), torch.empty(64)
+    for _ in range(2):
+        launch.run(plan, (x, y), 64)
+    packed = plan.direct[5]
+    n_recorded = len(recording)
+    lib.recording_set_context(None)  # a thread without a CUDA context: Triton's launcher sets one up
+    try:
+        launch.run(plan, (x, y), 64)
+    finally:
+        lib.recording_set_context(1)
+    assert len(recording) == n_recorded + 1 and not recording[-1][5]
+    lib.recording_set_launch_result(700)
+    try:
+        with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+            launch.run(plan, (x, y), 64)
+    finally:
+        lib.recording_set_launch_result(0)
+    with pytest.raises(TypeError, match="argument 1 must be a tensor"):
+        packed.launch((x, 3), 64)
+    with pytest.raises(ValueError, match="tensor 1 of a launch given 1"):
+        packed.launch((x,), 64)
+    functions = (1, 1, 0)
+    with pytest.raises(ValueError, match="slots of 8 bytes"):
+        _build.extension().PackedLaunch(1, (1, 1, 1), 32, 0, bytes(12), [], -1, functions, 0, STREAM)
+    with pytest.raises(ValueError, match="seed_param 3"):
+        _build.extension().PackedLaunch(1, (1, 1, 1), 32, 0, bytes(16), [], 3, functions, 0, STREAM)
+    with pytest.raises(ValueError, match="tensor parameter"):
+        _build.extension().PackedLaunch(1, (1, 1, 1), 32, 0, bytes(16), [(2, 0)], -1, functions, 0, STREAM)
+    compiled = plan.direct[0]
+    for change in (dict(num_ctas=2), dict(launch_pdl=True), dict(global_scratch_size=64), dict(shared=229 * 1024)):
+        meta = compiled.metadata._replace(**change)
+        twin = types.SimpleNamespace(metadata=meta, src=compiled.src, run=compiled.run)
+        assert _pack_params(launch.kernel, twin, plan, 2) is None, change  # launched through Triton's launcher
+    assert _pack_params(launch.kernel, compiled, plan, 2) is not None
 
 
 def test_signature_covers_what_it_keys_and_refuses_the_rest():
@@ -179,13 +256,10 @@ def test_call_signature_tells_apart_what_launchers_read():
         assert signature((x, unsupported)) is None, unsupported
 
 
-@pytest.mark.gpu
-def test_gpu_direct_launches_give_tritons_results():
-    """On a GPU: attention (forward and backward), LayerNorm and linear attention give bitwise the
-    results of launches through Triton's run when launched directly, and do launch directly."""
+def _gpu_ops():
+    """A function running attention (forward and backward), LayerNorm and linear attention on the
+    GPU, returning copies of every result and gradient."""
     import transformer_fast as tf
-    from transformer_fast.kernels import _launch
-    from transformer_fast.kernels import attention as ka
 
     q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     x, r = torch.randn(2, 300, 96, device="cuda"), torch.randn(2, 300, 96, device="cuda")
@@ -201,22 +275,96 @@ def test_gpu_direct_launches_give_tritons_results():
         (y * h).sum().backward()
         lin = tf.linear_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
         return [t.clone() for t in (out, q.grad, k.grad, v.grad, y, h, xg.grad, w.grad, b.grad, lin)]
+    return run
 
+
+def _launch_plans():
+    """Every LaunchPlan the launchers hold (inside their plans' namespaces too)."""
+    from transformer_fast.kernels import _launch
+
+    def parts(plan):
+        if isinstance(plan, _launch.LaunchPlan):
+            return [plan]
+        if isinstance(plan, types.SimpleNamespace):
+            return [p for value in vars(plan).values() for p in parts(value)]
+        if isinstance(plan, (tuple, list)):
+            return [p for value in plan for p in parts(value)]
+        return []
+    return [p for plans in _launch.Plans.instances for plan in plans.plans.values() for p in parts(plan)]
+
+
+def _set_launches(launches, direct, native):
+    from transformer_fast.kernels import _launch
+
+    for plans in _launch.Plans.instances:  # plans keep their packed launch (or none) from when they were made
+        plans.clear()
+    for launch in launches:
+        launch.direct, launch.native = direct, native
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_give_tritons_results():
+    """On a GPU: attention (forward and backward), LayerNorm and linear attention give bitwise the
+    results of launches through Triton's run when launched directly, and do launch directly."""
+    from transformer_fast.kernels import _launch
+    from transformer_fast.kernels import attention as ka
+
+    run = _gpu_ops()
     launches = list(_launch.CompiledLaunch.instances)
-    default = [launch.direct for launch in launches]
+    default = [(launch.direct, launch.native) for launch in launches]
     if _launch._DIRECT:  # unless TRANSFORMER_FAST_DIRECT_LAUNCH=0, on by default on a GPU
-        assert all(default), "direct launches are off on this GPU"
+        assert all(direct for direct, _ in default), "direct launches are off on this GPU"
     try:
-        for launch in launches:
-            launch.direct = False
+        _set_launches(launches, False, False)
         through_run = run()
-        for launch in launches:
-            launch.direct = True
+        _set_launches(launches, True, False)
         run()  # makes the entries
         direct = run()
     finally:
-        for launch, on in zip(launches, default):
-            launch.direct = on
+        for launch, (on, native) in zip(launches, default):
+            launch.direct, launch.native = on, native
     assert ka.launch_fwd.compiled.entries and ka.launch_dq.compiled.entries and ka.launch_preprocess.entries
     for i, (a, b_) in enumerate(zip(direct, through_run)):
         assert torch.equal(a, b_), f"result {i} differs between direct launches and Triton's run"
+
+
+@pytest.mark.gpu
+def test_gpu_packed_launches_give_tritons_results():
+    """On a GPU, with packed launches (csrc/triton_launch.cpp): bitwise the results of launches
+    through Triton's run, packed launches made for every op, and launched on the current stream:
+    a side stream, and a CUDA graph's capture (where a launch on another stream fails) replayed."""
+    from transformer_fast.kernels import _launch
+    from transformer_fast.kernels import attention as ka
+
+    run = _gpu_ops()
+    launches = list(_launch.CompiledLaunch.instances)
+    default = [(launch.direct, launch.native) for launch in launches]
+    try:
+        _set_launches(launches, False, False)
+        through_run = run()
+        _set_launches(launches, True, True)
+        run()  # makes the entries, the plans and their packed launches
+        packed = run()
+        made = _launch_plans()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = run()
+        torch.cuda.current_stream().wait_stream(side)
+        q = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+        ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)  # planned and packed before capture
+        expected = ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        for launch, (on, native) in zip(launches, default):
+            launch.direct, launch.native = on, native
+    assert made and all(plan.direct is not None and plan.direct[5] is not None for plan in made), \
+        "a planned launch was not packed"
+    for i, (a, b_, c) in enumerate(zip(packed, through_run, on_side)):
+        assert torch.equal(a, b_), f"result {i} differs between packed launches and Triton's run"
+        assert torch.equal(c, b_), f"result {i} differs on a side stream"
+    assert torch.equal(captured, expected)

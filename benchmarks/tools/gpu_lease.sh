@@ -8,9 +8,13 @@
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
 #   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
 #              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
+#   packed     the packed-launch test on the GPU (launches from C++, csrc/triton_launch.cpp: bitwise
+#              Triton's results, on a side stream and in a CUDA graph); where it passes, the remaining
+#              stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=1
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
 #              LayerNorm grid is short and stays in), 14 workers
 #   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
+#   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches save
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
 #              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
@@ -53,12 +57,21 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
     --out "$OUT/results" --no-progress; pack; }
 stage_direct() {
-    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -q -rfE --tb=short \
-        -p no:cacheprovider >"$OUT/direct.log" 2>&1
+    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k direct_launches -q -rfE \
+        --tb=short -p no:cacheprovider >"$OUT/direct.log" 2>&1
     local rc=$?
     echo "direct-launch test exit $rc"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/direct.log" | tail -10
     if [ $rc -ne 0 ]; then export TRANSFORMER_FAST_DIRECT_LAUNCH=0; echo "direct launches off from here on"; fi
+}
+stage_packed() {
+    [ "${TRANSFORMER_FAST_DIRECT_LAUNCH:-1}" = 0 ] && { echo "packed: skipped (direct launches off)"; return; }
+    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k packed_launches -q -rfE \
+        --tb=short -p no:cacheprovider >"$OUT/packed.log" 2>&1
+    local rc=$?
+    echo "packed-launch test exit $rc"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/packed.log" | tail -10
+    if [ $rc -eq 0 ]; then export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches on from here on"; fi
 }
 stage_tests() {
     timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid or layer_norm}" -n 14 -q -rfE --tb=short \
@@ -70,6 +83,12 @@ stage_host() {
     timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.profile_host_gpu --top 20 ${HOST_ARGS:-} >"$OUT/host.log" 2>&1
     echo "profile_host_gpu exit $?"
     grep -E "^(tiny|large) " "$OUT/host.log"
+}
+stage_host_direct() {
+    TRANSFORMER_FAST_NATIVE_LAUNCH=0 timeout -s INT "$(cap 45)" python3 -m benchmarks.tools.profile_host_gpu \
+        --shapes tiny --no-cprofile >"$OUT/host_direct.log" 2>&1
+    echo "profile_host_gpu (packed launches off) exit $?"
+    grep -E "^tiny " "$OUT/host_direct.log"
 }
 stage_host_run() {
     TRANSFORMER_FAST_DIRECT_LAUNCH=0 timeout -s INT "$(cap 45)" python3 -m benchmarks.tools.profile_host_gpu \
@@ -114,7 +133,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check direct tests host host_run layer_norm ln_bwd models attention kernels ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check direct packed tests host host_direct host_run layer_norm ln_bwd models attention kernels ncu grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"

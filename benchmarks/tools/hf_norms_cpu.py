@@ -56,5 +56,6 @@ def main():
         ours = timings[f"{name} [converted]"]["median_ms"] * 1e3
         print(f"{name:58s} transformers {theirs:9.1f} us  converted {ours:9.1f} us  {theirs / ours:5.2f}x")
 
+
 if __name__ == "__main__":
     main()

@@ -6,18 +6,25 @@
 Runs what the dispatcher runs for each op on a GPU (transformer_fast/_device_kernels.py: the op's
 kernel and its Triton launcher) on small CPU tensors, with the kernels compiled for sm_90 and
 launched into a recording driver (recording_driver.py): everything a call costs on the host but
-the driver's own launch (cuLaunchKernel, a few us). Each call is timed with direct launches
-(kernels/_launch.py) and through Triton's `JITFunction.run`, alternating, fastest round of each.
-The first call of each op compiles its kernels (seconds; Triton keeps them on disk after).
+the driver's own launch (cuLaunchKernel, a few us). Each call is timed through Triton's
+`JITFunction.run`, with direct launches (kernels/_launch.py) and with packed launches (the plans'
+launches made from C++, csrc/triton_launch.cpp, into the recording driver's CUDA library),
+alternating, fastest round of each. A direct launch here calls the recording launcher (a Python
+function) where a GPU's would call Triton's, which reads every argument again: the direct column
+leaves that out. The first call of each op compiles its kernels (seconds; Triton keeps them on disk).
 
 --check makes every call both ways and compares what reached the launcher: the same compiled
 kernel, grid, stream and arguments (new outputs compared by dtype, shape, strides and alignment);
 then, for calls that vary every way the launch plans depend on (dropout seeds, masks, packed
 sequences, splits, strides, alignment), that a plan made by a twin call (the same signature,
 other tensors and seed) launches each call as a plan of its own would, input tensors compared by
-identity. Exits 1 on a difference; tests/test_direct_launch.py runs it."""
+identity; then that each packed launch passes the CUDA driver what Triton's launcher would for
+the same launch: the kernel, grid, block, shared memory, stream, and every parameter's bytes as
+Triton's signature types them (the types' sizes from Triton's own table). Exits 1 on a difference;
+tests/test_direct_launch.py runs it."""
 import argparse
 import os
+import struct
 import sys
 import time
 
@@ -26,7 +33,8 @@ os.environ.setdefault("TRANSFORMER_FAST_TILE", "0")  # one candidate tile per au
 
 import torch  # noqa: E402
 
-from benchmarks.tools.recording_driver import launches, recording_driver  # noqa: E402
+from benchmarks.tools.recording_driver import STREAM, launches, library, library_launches  # noqa: E402
+from benchmarks.tools.recording_driver import recording_driver  # noqa: E402
 
 
 def _calls():
@@ -54,11 +62,11 @@ def _calls():
     }
 
 
-def _set_direct(on):
+def _set_direct(on, native=False):
     from transformer_fast.kernels import _launch
 
     for launch in _launch.CompiledLaunch.instances:
-        launch.direct = on
+        launch.direct, launch.native = on, native
 
 
 def _drop_compiled():
@@ -172,7 +180,7 @@ def _plan_cases():
         "attention backward, (B, N, H, D), float mask, dropout, dS": backward((765431, 876543)),
         "attention backward, packed, delta": packed_backward,
         "layer_norm forward, strided fp32 weight, bf16 bias": norm_strided_weight,
-        "layer_norm backward": norm_backward,
+        "layer_norm backward, 70 rows of 300": norm_backward,
         "rms_norm backward, dh, no weight, looped rows": rms_backward,
         "linear attention forward, causal, state in and out": linear_causal_state,
         "linear attention backward, causal, dS_F only": linear_causal_backward,
@@ -245,6 +253,111 @@ def check(calls):
         print(f"{name:<50} {len(ours)} launches, {direct} direct, planned by its twin: "
               f"{'same' if same else 'DIFFERENT'}")
         failures += not same or direct != len(ours)
+    cases = dict(calls)
+    cases.update({name: make(0)[0] for name, make in _plan_cases().items()})
+    return failures + check_packed(cases)
+
+
+# The sizes of the C types Triton's launcher packs a parameter as (its ty_to_cpp); a float type's
+# value is packed in its own width (Triton's pack_fp32 and extractors).
+_C_SIZES = {"CUdeviceptr": 8, "int8_t": 1, "int16_t": 2, "int32_t": 4, "int64_t": 8, "uint8_t": 1, "uint16_t": 2,
+            "uint32_t": 4, "uint64_t": 8}
+
+
+def _triton_param_bytes(ty, arg):
+    """A parameter as the kernel reads it, from Triton's signature type `ty` and the launch's `arg`."""
+    from triton.backends.nvidia.driver import ty_to_cpp
+
+    if ty in ("fp32", "f32"):
+        return struct.pack("<f", float(arg))
+    c_type = ty_to_cpp(ty)
+    if c_type == "CUdeviceptr":
+        return struct.pack("<Q", 0 if arg is None else arg.data_ptr())
+    size = _C_SIZES[c_type]
+    return int(arg).to_bytes(8, "little", signed=c_type.startswith("int"))[:size]
+
+
+def _same_as_triton(recorded, theirs):
+    """Whether a launch recorded by the CUDA library (`recorded`) passes what Triton's launcher
+    was handed for the same launch (`theirs`, from the recording launcher)."""
+    launcher, grid, stream, function, args = theirs[:5]
+    function_, grid_, block, shared, stream_, params, attrs = recorded
+    meta = launcher.metadata
+    types = list(launcher.src.signature.values())
+    expected = [_triton_param_bytes(ty, arg) for ty, arg in zip(types, args) if ty != "constexpr"]
+    expected += [bytes(8), bytes(8)]  # the scratch pointers: none
+    wanted = (function, tuple(grid), (32 * meta.num_warps, 1, 1), meta.shared, stream, 0)
+    if (function_, grid_, block, shared, stream_, attrs) != wanted or len(types) != len(args):
+        return False
+    return params is not None and len(params) == 8 * len(expected) and all(
+        params[8 * i:8 * i + len(e)] == e for i, e in enumerate(expected))
+
+
+def _same_as_triton_launcher(ours, theirs, types):
+    """Whether two recorded launches, ours (packed) and Triton's launcher's, pass the same: the
+    same kernel, grid, block, shared memory, stream, no launch attributes, and each parameter's
+    bytes up to its size in Triton's table (its launcher's slots are as narrow as that)."""
+    from triton.backends.nvidia.driver import ty_to_cpp
+
+    sizes = [4 if ty in ("fp32", "f32") else _C_SIZES[ty_to_cpp(ty)] for ty in types if ty != "constexpr"] + [8, 8]
+    if ours[:5] != theirs[:5] or ours[6] != 0 or theirs[6] != 0 or ours[5] is None or theirs[5] is None:
+        return False
+    return len(ours[5]) == len(theirs[5]) == 8 * len(sizes) and all(
+        ours[5][8 * i:8 * i + n] == theirs[5][8 * i:8 * i + n] for i, n in enumerate(sizes))
+
+
+def check_packed(cases, triton_launcher=False):
+    """0 when every planned launch of every case, packed, passes the CUDA driver what Triton's
+    launcher gets for it: each packed launch is made, then the same launch (the same tensors)
+    through the compiled kernel's launcher, and the two compared (with `triton_launcher`, what
+    Triton's own launcher passed the recording library; else what the recording launcher was given,
+    as Triton's signature types it)."""
+    from transformer_fast.kernels import _launch
+
+    lib = library()
+    pairs = []
+    planned = _launch.CompiledLaunch.launch_planned
+
+    def both(self, plan, tensors, seed):
+        direct = plan.direct
+        if direct is None or direct[5] is None or not self.native:
+            return planned(self, plan, tensors, seed)
+        compiled, grid, tail, _, _, packed = direct
+        n_params = sum(ty != "constexpr" for ty in compiled.src.signature.values()) + 2
+        lib.recording_set_param_count(compiled.function, n_params)
+        lib.recording_clear()
+        if packed.num_params != n_params or not packed.launch(tensors, seed):
+            pairs.append(False)
+            return planned(self, plan, tensors, seed)
+        recorded = library_launches()
+        launches.clear()
+        compiled.run(grid[0], grid[1], grid[2], STREAM, compiled.function, compiled.packed_metadata, None, None, None,
+                     *plan.args(tensors, seed), *tail)
+        types = list(compiled.src.signature.values())
+        if triton_launcher:
+            recorded = library_launches()
+            same = len(recorded) == 2 and _same_as_triton_launcher(recorded[0], recorded[1], types)
+        else:
+            same = len(recorded) == 1 and _same_as_triton(recorded[0], launches[-1])
+        pairs.append(same)
+        return True
+
+    failures = 0
+    for name, call in cases.items():
+        _forget_plans()
+        _set_direct(True, native=True)
+        call()
+        call()  # the plans, their direct launches and their packed launches made
+        pairs.clear()
+        _launch.CompiledLaunch.launch_planned = both
+        try:
+            call()
+        finally:
+            _launch.CompiledLaunch.launch_planned = planned
+        same = bool(pairs) and all(pairs)
+        print(f"{name:<50} {len(pairs)} launches packed: {'same' if same else 'DIFFERENT'}")
+        failures += not same
+    _set_direct(True)
     return failures
 
 
@@ -255,20 +368,26 @@ def _per_call_us(fn, calls):
     return (time.perf_counter() - start) / calls * 1e6
 
 
+_MODES = {"Triton run": (False, False), "direct": (True, False), "packed": (True, True)}
+
+
 def measure(calls, rounds, n):
-    print(f"{'op kernel (CUDA key), host us per call':<50} {'Triton run':>11} {'direct':>8} {'saved':>7}")
+    print(f"{'op kernel (CUDA key), host us per call':<50} {'Triton run':>11} {'direct':>9} {'packed':>9}")
+    lib = library()
     for name, call in calls.items():
-        best = {False: float("inf"), True: float("inf")}
-        for direct in (False, True):  # warm-up: compile, make the entries
-            _set_direct(direct)
+        best = dict.fromkeys(_MODES, float("inf"))
+        _forget_plans()
+        for direct, native in ((False, False), (True, True)):  # compile; make the entries, plans, packed launches
+            _set_direct(direct, native)
             for _ in range(3):
                 call()
         for _ in range(rounds):
-            for direct in (False, True):
-                _set_direct(direct)
-                best[direct] = min(best[direct], _per_call_us(call, n))
+            for mode, (direct, native) in _MODES.items():
+                _set_direct(direct, native)
+                best[mode] = min(best[mode], _per_call_us(call, n))
                 launches.clear()
-        print(f"{name:<50} {best[False]:9.1f} us {best[True]:6.1f} us {best[False] - best[True]:5.1f} us")
+                lib.recording_clear()
+        print(f"{name:<50} {best['Triton run']:8.1f} us {best['direct']:6.1f} us {best['packed']:6.1f} us")
 
 
 def main(argv=None):
@@ -276,11 +395,17 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--triton-launcher", action="store_true",
+                        help="launch through Triton's own launcher (C, built against the recording library)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with recording_driver():
+    with recording_driver(args.triton_launcher):
         try:
             calls = _calls()
+            if args.check and args.triton_launcher:  # no recording launcher: the packed launches only
+                cases = dict(calls)
+                cases.update({name: make(0)[0] for name, make in _plan_cases().items()})
+                return 1 if check_packed(cases, triton_launcher=True) else 0
             if args.check:
                 return 1 if check(calls) else 0
             measure(calls, args.rounds, args.calls)
