@@ -25,6 +25,10 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-packed-launch-2026-11-27.txt": "host time per call of the Triton ops' CUDA kernels without a GPU, Triton's "
+                                        "own launcher built against a recording CUDA library: packed launches "
+                                        "(C++) against direct launches (0.58-0.72x their time) and JITFunction.run, "
+                                        "Triton 3.9 and 3.6, and the checks that both pass the driver the same",
     "cpu-hf-rmsnorm-2026-11-27.txt": "Hugging Face transformers' RMSNorm modules (Llama's and Gemma's forms) before and "
                                      "after `convert`, decoding and training sizes "
                                      "(`python -m benchmarks.tools.hf_norms_cpu`)",
