@@ -25,6 +25,9 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-attention-ragged-2026-11-27.txt": "the C++ bf16 attention before and after its packed score and dP products "
+                                           "run over key blocks rounded up to 16 columns: ragged N forward "
+                                           "0.85-0.90x its former time, forward+backward 0.84-0.96x",
     "cpu-packed-launch-2026-11-27.txt": "host time per call of the Triton ops' CUDA kernels without a GPU, Triton's "
                                         "own launcher built against a recording CUDA library: packed launches "
                                         "(C++) against direct launches (0.58-0.72x their time) and JITFunction.run, "

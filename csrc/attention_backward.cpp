@@ -133,13 +133,14 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   }
   const float dq_scale = packed_updates ? p.scale : 1.f;
   const int64_t ldP = packed_reduction(BN), ldT = packed_reduction(BM);
+  const int64_t ldS = score_columns<scalar_t>(BN);  // S's and dP's rows: room for the packed products' zeros
   const bool softcap = p.softcap > 0.f;
 
   parallel_tasks(static_cast<int64_t>(key_tasks.size()), [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed_updates);
-    TileBuffer<float> S(BM * BN), dP(BM * BN), drop(BM * BN), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
-    TileBuffer<float> tanh_tile(softcap ? BM * BN : 0);
+    TileBuffer<float> S(BM * ldS), dP(BM * ldS), drop(BM * ldS), colsum(BN), dk_acc(BN * D), dv_acc(BN * Dv);
+    TileBuffer<float> tanh_tile(softcap ? BM * ldS : 0);
     TileBuffer<scalar_t> P_lowp(kLowp ? BM * ldP : 0), dS_lowp(kLowp ? BM * ldP : 0), k_scratch(ldP * D);
     TileBuffer<scalar_t> PT(packed_updates ? BN * ldT : 0), dST(packed_updates ? BN * ldT : 0),
         k_packed(packed_updates ? packed_k.size : 0);
@@ -193,12 +194,12 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                   q_rows[r] = qt + r * qsn;
                 }
               }
-              rowwise_scores(q_rows.data(), bm, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
+              rowwise_scores(q_rows.data(), bm, k_rows.data(), bn, D, p.scale, S.data(), ldS, key_float.data());
             } else {
               s_scale = score_tile(p, packed, blk, qt, qsn, kb, ksn, packed ? packed_kt.at(bhk, n) : nullptr, bm,
-                                   tile_keys, S.data(), BN);
+                                   tile_keys, S.data(), ldS);
             }
-            const bool masked = transform_scores<scalar_t>(p, band, S.data(), BN, bm, bn, {b, h, i0, j0}, status,
+            const bool masked = transform_scores<scalar_t>(p, band, S.data(), ldS, bm, bn, {b, h, i0, j0}, status,
                                                            softcap ? tanh_tile.data() : nullptr);
             // An unmasked tile without dropout uses all its keys: P and dS are then made in one
             // pass after the dP product. Otherwise P comes first, to find the keys in use; so it
@@ -210,7 +211,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
               // P = exp(S - lse) (0 on masked positions and on rows with no allowed key)
               for (int64_t r = 0; r < bm; ++r) {
-                float* s = S.data() + r * BN;
+                float* s = S.data() + r * ldS;
                 const Vec shift(lse_t[r]), mult(s_scale);
                 at::vec::map([shift, mult](Vec x) { return exp_softmax(at::vec::fmsub(x, mult, shift)); }, s, s, bn);
                 if (masked) {
@@ -222,15 +223,15 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             // dP = dO V^T (garbage in unused keys is discarded below by a select, not a product)
             if (packed) {
-              packed_nt_product(blk, bm, tile_keys, Dv, dot, dsn, vb, vsn, packed_vt.at(bhk, n), dP.data(), BN);
+              packed_nt_product(blk, bm, tile_keys, Dv, dot, dsn, vb, vsn, packed_vt.at(bhk, n), dP.data(), ldS);
             } else {
-              gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb, vsn, 0.f, dP.data(), BN);
+              gemm(false, true, bm, bn, Dv, 1.f, dot, dsn, vb, vsn, 0.f, dP.data(), ldS);
             }
             // Pd = P * dropout factor -> dV += Pd^T dO; dS = P * (dP * factor - delta)
             for (int64_t r = 0; r < bm; ++r) {
-              float* s = S.data() + r * BN;
-              float* dp = dP.data() + r * BN;
-              float* f = drop.data() + r * BN;
+              float* s = S.data() + r * ldS;
+              float* dp = dP.data() + r * ldS;
+              float* f = drop.data() + r * ldS;
               if (p.dropout.active()) {
                 p.dropout.factors(p.dropout.row_key(row0 + r), j0, bn, f);
                 for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
@@ -244,7 +245,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               }
               if (ds_data != nullptr) convert_row(dp, ds_data + (row0 + r) * p.Nk + j0, bn);
               if (ds_f32 != nullptr) convert_row(dp, ds_f32 + (row0 + r) * p.Nk + j0, bn);
-              if (softcap) softcap_gradient_row(dp, tanh_tile.data() + r * BN, bn);  // dS of the raw scores
+              if (softcap) softcap_gradient_row(dp, tanh_tile.data() + r * ldS, bn);  // dS of the raw scores
               if (p.dropout.active()) {
                 for (int64_t c = 0; c < bn; ++c) s[c] *= f[c];
               }
@@ -277,9 +278,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             const int64_t nu = used.hi - used.lo;
             if (kLowp && bm <= kShortReduction) {  // fp32 P and dS (S, dP) times fp32 dO and Q rows
-              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, BN,
+              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, ldS,
                    rows_as_float(dot, dsn, bm, Dv, do_float.data()), Dv, 1.f, dv_acc.data() + used.lo * Dv, Dv);
-              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, BN, rows_as_float(qt, qsn, bm, D, q_float.data()),
+              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, ldS, rows_as_float(qt, qsn, bm, D, q_float.data()),
                    D, 1.f, dk_acc.data() + used.lo * D, D);
             } else if constexpr (kLowp) {
               gemm(true, false, nu, Dv, bm, 1.f, P_lowp.data() + used.lo, ldP, dot, dsn, 1.f,
@@ -287,21 +288,21 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               gemm(true, false, nu, D, bm, 1.f, dS_lowp.data() + used.lo, ldP, qt, qsn, 1.f,
                    dk_acc.data() + used.lo * D, D);
             } else {
-              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, BN, dot, dsn, 1.f, dv_acc.data() + used.lo * Dv,
+              gemm(true, false, nu, Dv, bm, 1.f, S.data() + used.lo, ldS, dot, dsn, 1.f, dv_acc.data() + used.lo * Dv,
                    Dv);
-              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, BN, qt, qsn, 1.f, dk_acc.data() + used.lo * D,
+              gemm(true, false, nu, D, bm, 1.f, dP.data() + used.lo, ldS, qt, qsn, 1.f, dk_acc.data() + used.lo * D,
                    D);
             }
             // dQ += scale * dS K over the used keys
             int64_t ldk;
             const scalar_t* kt = used_operand(kb, ksn, D, colsum.data(), used, k_scratch.data(), &ldk);
             if (kLowp && nu <= kShortReduction) {
-              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN,
+              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, ldS,
                    rows_as_float(kt, ldk, nu, D, k_float.data()), D, 1.f, dqt, D);
             } else if constexpr (kLowp) {
               gemm(false, false, bm, D, nu, p.scale, dS_lowp.data() + used.lo, ldP, kt, ldk, 1.f, dqt, D);
             } else {
-              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, BN, kt, ldk, 1.f, dqt, D);
+              gemm(false, false, bm, D, nu, p.scale, dP.data() + used.lo, ldS, kt, ldk, 1.f, dqt, D);
             }
           }
         }

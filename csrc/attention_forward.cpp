@@ -87,11 +87,12 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
       packed_values ? pack_blocks<scalar_t>(v, BN, false) : PackedBlocks<scalar_t>();
   if (packed_values) zero_trailing_padded_rows(packed_v, padding, p.Hk, BN, Dv);
   const int64_t ldP = packed_reduction(BN);  // P_lowp's row length: room for the packed product's zeros
+  const int64_t ldS = score_columns<scalar_t>(BN);  // S's row length: room for the packed scores' zeros
 
   parallel_tasks(n_blocks * parts, [&](TaskQueue& tasks) {
     const cpu_blas::SerialGuard serial_blas;
     const cpu_blas::PackedProductsGuard packed_products(packed_values);
-    TileBuffer<float> S(R * BN), acc(R * Dv), m(R), l(R), colsum(BN), drop(BN);
+    TileBuffer<float> S(R * ldS), acc(R * Dv), m(R), l(R), colsum(BN), drop(BN);
     // Decoding's few rows (rows_times_values) read the value rows in place, and P from S.
     const bool value_tiles = !(rowwise && R <= kFewValueRows);
     TileBuffer<scalar_t> P_lowp(kLowp && value_tiles ? R * ldP : 0), v_scratch(value_tiles ? ldP * Dv : 0);
@@ -143,24 +144,24 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         float s_scale = 1.f;
         if (rowwise) {
           for (int64_t c = 0; c < bn; ++c) k_rows[c] = krows.row(j0 + c);
-          rowwise_scores(q_rows.data(), rows, k_rows.data(), bn, D, p.scale, S.data(), BN, key_float.data());
+          rowwise_scores(q_rows.data(), rows, k_rows.data(), bn, D, p.scale, S.data(), ldS, key_float.data());
         } else {
           int64_t ldk;
           const scalar_t* kt = krows.block(j0, tile_keys, D, kv_gathered.data(), &ldk);
           s_scale = score_tile(p, packed, unit, qt, qo.sn, kt, ldk, packed ? packed_kt.at(b * p.Hk + hk, j0 / BN) : nullptr,
-                               bm, tile_keys, S.data(), BN);
+                               bm, tile_keys, S.data(), ldS);
         }
         bool masked = false;
         for (int64_t g = 0; g < heads; ++g) {
-          masked |= transform_scores<scalar_t>(p, band, S.data() + g * bm * BN, BN, bm, bn, {b, h0 + g, i0, j0}, status,
-                                               nullptr);
+          masked |= transform_scores<scalar_t>(p, band, S.data() + g * bm * ldS, ldS, bm, bn, {b, h0 + g, i0, j0},
+                                               status, nullptr);
         }
         if (masked) std::fill(colsum.begin(), colsum.begin() + bn, 0.f);
         // Unmasked tiles without dropout write P straight into the product's operand, unless the
         // tile is short enough for fp32 products (kShortReduction), which read P from S.
         const bool direct = kLowp && !few_rows && !masked && !p.dropout.active() && bn > kShortReduction;
         for (int64_t r = 0; r < rows; ++r) {
-          float* s = S.data() + r * BN;
+          float* s = S.data() + r * ldS;
           scalar_t* p_row = kLowp ? P_lowp.data() + r * ldP : nullptr;
           const float m_old = m[r], m_new = std::max(m_old, row_max(s, bn) * s_scale);
           const float shift = m_new == kNegInf ? 0.f : m_new;  // all masked so far: exp(-inf) = 0
@@ -194,7 +195,7 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         if (used.hi <= used.lo) continue;
         if (few_rows) {
           for (int64_t c = used.lo; c < used.hi; ++c) v_rows[c] = vrows.row(j0 + c);
-          rows_times_values(S.data() + used.lo, BN, rows, v_rows.data() + used.lo, used.hi - used.lo,
+          rows_times_values(S.data() + used.lo, ldS, rows, v_rows.data() + used.lo, used.hi - used.lo,
                             masked ? colsum.data() + used.lo : nullptr, Dv, acc.data());
           continue;
         }
@@ -212,13 +213,13 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
         const scalar_t* v_tile = vrows.block(j0, bn, Dv, kv_gathered.data(), &ldv_tile);
         const scalar_t* vt = used_operand(v_tile, ldv_tile, Dv, colsum.data(), used, v_scratch.data(), &ldv);
         if (kLowp && used.hi - used.lo <= kShortReduction) {  // fp32 P (in S: not direct) times fp32 V
-          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN,
+          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, ldS,
                rows_as_float(vt, ldv, used.hi - used.lo, Dv, v_float.data()), Dv, 1.f, acc.data(), Dv);
         } else if constexpr (kLowp) {
           gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, P_lowp.data() + used.lo, ldP, vt, ldv, 1.f,
                acc.data(), Dv);
         } else {
-          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, BN, vt, ldv, 1.f, acc.data(),
+          gemm(false, false, rows, Dv, used.hi - used.lo, 1.f, S.data() + used.lo, ldS, vt, ldv, 1.f, acc.data(),
                Dv);
         }
       }

@@ -304,9 +304,19 @@ Operand<T> key_operand(const at::Tensor& t, const Problem& p) {
 // product over 74, 82, ..., 118 keys against 128; a whole forward at N = 246 took 1.4x that at 256).
 inline int64_t packed_reduction(int64_t n) { return (n + 31) / 32 * 32; }
 
+// The columns of a packed bf16/fp16 score (or dP) product over a block of n keys: n rounded up to
+// 16, an AMX tile's width, the K^T (V^T) blocks packed with zero columns up to it, so the product
+// writes scores for keys past the block (zeros), which nothing reads. brgemm over a column tail
+// together with a row tail took up to 1.4x the time per score (a whole forward at Nq = Nk = 246:
+// 7.7 ns per score against 5.6 at 256, one thread). fp32's panels take n as it is.
+template <typename scalar_t>
+inline int64_t score_columns(int64_t n) {
+  return std::is_same_v<scalar_t, float> ? n : (n + 15) / 16 * 16;
+}
+
 // Blocks of `block` rows of a (B, heads, N, W) tensor, each packed once as the B operand of a
 // tile product: the block itself (K = its rows, zero rows up to packed_reduction), or its
-// transpose (K = W, which must be even).
+// transpose (K = W, which must be even; zero columns up to score_columns).
 template <typename scalar_t>
 struct PackedBlocks {
   at::Tensor storage;
@@ -319,7 +329,7 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
   const int64_t heads = t.size(1), N = t.size(2), W = t.size(3);
   PackedBlocks<scalar_t> packed;
   packed.n_blocks = (N + block - 1) / block;
-  packed.size = transpose ? cpu_blas::packed_size<scalar_t>(W, block)
+  packed.size = transpose ? cpu_blas::packed_size<scalar_t>(W, score_columns<scalar_t>(block))
                           : cpu_blas::packed_size<scalar_t>(packed_reduction(block), W);
   packed.storage = new_tensor({t.size(0) * heads * packed.n_blocks * packed.size}, t.options());
   const scalar_t* data = t.data_ptr<scalar_t>();
@@ -334,7 +344,8 @@ PackedBlocks<scalar_t> pack_blocks(const at::Tensor& t, int64_t block, bool tran
         if constexpr (std::is_same_v<scalar_t, float>) {
           cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst);
         } else {
-          cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst, scratch.data());
+          cpu_blas::pack_b_transposed(src, t.stride(2), rows, W, dst, scratch.data(),
+                                      score_columns<scalar_t>(rows));
         }
       } else if (rows == packed_reduction(rows)) {
         cpu_blas::pack_b(src, t.stride(2), rows, W, dst);
@@ -453,7 +464,8 @@ ScorePath score_path(const Problem& p) {
   return p.Nq <= (p.H > p.Hk ? kRowwiseMaxRows : kRowwiseMaxRowsMha) ? ScorePath::kRowwise : ScorePath::kUnits;
 }
 
-// C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product. fp32:
+// C = A B^T (unscaled) for a (bm x bn) tile, B also packed. bf16/fp16: one packed product, over
+// score_columns(bn) columns (C's leading dimension must hold them; the extra ones are zeros). fp32:
 // in units of unit.m x unit.n, each through the packed panels (register tiles) where it has at
 // least cpu_blas::kRegisterMinDim rows and columns, else through MKL, which makes such small
 // products more accurately (cpu_blas.h). The forward and the backward split the same rows and
@@ -462,7 +474,7 @@ template <typename scalar_t>
 void packed_nt_product(const Blocks& unit, int64_t bm, int64_t bn, int64_t K, const scalar_t* A, int64_t lda,
                        const scalar_t* b_rows, int64_t ldb, const scalar_t* b_packed, float* C, int64_t ldc) {
   if constexpr (!std::is_same_v<scalar_t, float>) {
-    cpu_blas::packed_gemm(bm, bn, K, A, lda, b_packed, false, C, ldc);
+    cpu_blas::packed_gemm(bm, score_columns<scalar_t>(bn), K, A, lda, b_packed, false, C, ldc);
   } else {
     for (int64_t r = 0; r < bm; r += unit.m) {
       for (int64_t c = 0; c < bn; c += unit.n) {

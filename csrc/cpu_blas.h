@@ -397,9 +397,10 @@ void pack_b(const T* src, int64_t ld, int64_t K, int64_t N, T* dst) {
 
 // pack_b of the transpose of src, a row-major (N x K) matrix with leading dimension ld. fp32: each
 // panel written in one transposing pass (at::vec's 16 x 16 register transposes). bf16/fp16 (K
-// even): the VNNI order of src^T, dst[(k / 2) * 2N + 2n + k % 2] = src[n][k], is the transpose of
-// src read as an (N x K/2) matrix of 32-bit pairs, made the same way where src's rows start on
-// 4-byte boundaries; else through scratch (K x N elements). (A torch copy_ of the transposed view
+// even): the VNNI order of src^T with packed_n >= N columns, the ones past N zero,
+// dst[(k / 2) * 2 packed_n + 2n + k % 2] = src[n][k], is the transpose of src read as an
+// (N x K/2) matrix of 32-bit pairs, made the same way where src's rows start on 4-byte
+// boundaries; else through scratch (K x packed_n elements). (A torch copy_ of the transposed view
 // took 15% of a bf16 forward at 128 keys, more than the packed products it fed.)
 inline void pack_b_transposed(const float* src, int64_t ld, int64_t N, int64_t K, float* dst) {
   for (int64_t j = 0; j < N; j += kPanel) {
@@ -409,18 +410,22 @@ inline void pack_b_transposed(const float* src, int64_t ld, int64_t N, int64_t K
 }
 
 template <typename T>
-void pack_b_transposed(const T* src, int64_t ld, int64_t N, int64_t K, T* dst, T* scratch) {
+void pack_b_transposed(const T* src, int64_t ld, int64_t N, int64_t K, T* dst, T* scratch, int64_t packed_n) {
   static_assert(sizeof(T) == 2 && sizeof(float) == 4);
   if (ld % 2 == 0 && reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) {
     // Moves bits only (register shuffles, no arithmetic), so any bf16/fp16 pair survives.
-    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(src), ld / 2, reinterpret_cast<float*>(dst), N,
+    at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(src), ld / 2, reinterpret_cast<float*>(dst), packed_n,
                                   static_cast<int>(N), static_cast<int>(K / 2));
+    for (int64_t k = 0; k < K && packed_n > N; k += 2) {
+      std::fill(dst + k * packed_n + 2 * N, dst + (k + 2) * packed_n, T(0));
+    }
     return;
   }
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t k = 0; k < K; ++k) scratch[k * N + n] = src[n * ld + k];
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n) scratch[k * packed_n + n] = src[n * ld + k];
+    std::fill(scratch + k * packed_n + N, scratch + (k + 1) * packed_n, T(0));
   }
-  pack_b(scratch, N, K, N, dst);
+  pack_b(scratch, packed_n, K, packed_n, dst);
 }
 
 // Row-major C (M x N) = A (M x K) B, or C += A B when accumulate; B packed by pack_b with the same

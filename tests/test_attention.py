@@ -10,7 +10,7 @@ import transformer_fast as tf
 from transformer_fast import _backends, _build, reference
 
 from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_garbage_does_not_leak, check_gpu_grid, check_value_gradient, make_qkv,
-                             random_attn_mask, random_key_padding)
+                             inside_nan, random_attn_mask, random_key_padding)
 from helpers import compare_with_reference, result_strides
 
 BACKENDS = ["reference", "cpp"]
@@ -173,6 +173,29 @@ def test_few_queries_with_wide_heads(case):
     for _ in range(6):
         q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, layout="bnhd")
         check_attention("cpp", q, k, v, is_causal=is_causal, scale=scale)
+
+
+RAGGED_KEY_BLOCKS = [  # (B, H, Hk, Nq, Nk, D, Dv, is_causal, softcap): key blocks whose width is not a multiple of 16
+    (1, 2, 1, 246, 246, 64, 64, False, None),
+    (1, 2, 2, 131, 250, 32, 48, True, 20.0),
+    (2, 1, 1, 200, 133, 64, 64, False, 5.0),
+]
+
+
+@pytest.mark.parametrize("products", ["packed"])
+@pytest.mark.parametrize("case", RAGGED_KEY_BLOCKS, ids=str)
+def test_packed_bf16_products_over_ragged_key_blocks(case):
+    """The packed bf16 score and dP products run over the block's keys rounded up to 16 (the
+    width of an AMX tile; score_columns in csrc/attention_tiles.h), K^T and V^T packed with zero
+    columns there, so those products write scores past the block's keys, which nothing may read
+    (the softcap's tanh tile shares their row length). Forward and backward against float64, with
+    k and v views into NaN-filled storage, so a read past their rows would show."""
+    _need("cpp")
+    B, H, Hk, Nq, Nk, D, Dv, is_causal, softcap = case
+    torch.manual_seed(Nk)
+    q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=torch.bfloat16)
+    k, v = inside_nan(k), inside_nan(v)
+    check_attention("cpp", q, k, v, is_causal=is_causal, softcap=softcap)
 
 
 SHORT_REDUCTIONS = [  # (B, H, Hk, Nq, Nk, D, Dv): every tile product over at most 16 terms
