@@ -25,6 +25,9 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-attention-causal-tiles-2026-11-27.txt": "the C++ attention's forward key tiles in bf16/fp16 with a causal "
+                                                 "mask or a window, 512 against 256 keys: bf16 forward causal "
+                                                 "0.83-0.90x its former time, windows 0.65-0.83x",
     "cpu-attention-ragged-2026-11-27.txt": "the C++ bf16 attention before and after its packed score and dP products "
                                            "run over key blocks rounded up to 16 columns: ragged N forward "
                                            "0.85-0.90x its former time, forward+backward 0.84-0.96x",

@@ -29,7 +29,7 @@ struct RowBlock {
 template <typename scalar_t>
 void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           at::Tensor& out, at::Tensor& lse) {
-  const Blocks blk = forward_blocks(p), unit = backward_blocks<scalar_t>(p);
+  const Blocks blk = forward_blocks<scalar_t>(p), unit = backward_blocks<scalar_t>(p);
   const int64_t BM = blk.m, BN = blk.n, D = p.D, Dv = p.Dv;
   const int64_t group = p.H / p.Hk;
   const ScorePath path = score_path<scalar_t>(p);

@@ -177,7 +177,9 @@ struct Blocks {
 
 // Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; the alternatives measured are in
 // docs/design.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
-// when that leaves too few tasks for the threads. Backward: 128 query rows (or the forward's, where
+// when that leaves too few tasks for the threads; 256 keys in bf16/fp16 with a causal mask or a
+// window, whose packed K^T blocks then end nearer the band (a query block computes the scores up
+// to the end of the block holding its last allowed key). Backward: 128 query rows (or the forward's, where
 // fewer) by 512 keys in fp32, or 128 keys when causal (the diagonal's tiles are skipped more
 // finely) and in bf16 (its packed products and transposes ran 7% faster on 128).
 //
@@ -198,17 +200,19 @@ inline int64_t query_blocks(const Problem& p, int64_t bm) {
   return blocks;
 }
 
-inline Blocks forward_blocks(const Problem& p) {
+template <typename scalar_t>
+Blocks forward_blocks(const Problem& p) {
   int64_t bm = 256;
   const int64_t min_tasks = 4 * at::get_num_threads();
   while (bm > 32 && p.H * query_blocks(p, bm) < min_tasks) bm /= 2;
-  return {std::max<int64_t>(1, std::min(bm, p.Nq)), std::clamp<int64_t>(p.Nk, 1, 512)};
+  const int64_t bn = !std::is_same_v<scalar_t, float> && (p.causal || p.has_window()) ? 256 : 512;
+  return {std::max<int64_t>(1, std::min(bm, p.Nq)), std::clamp<int64_t>(p.Nk, 1, bn)};
 }
 
 template <typename scalar_t>
 Blocks backward_blocks(const Problem& p) {
   const int64_t bn = std::is_same_v<scalar_t, float> && !p.causal && !p.has_window() ? 512 : 128;
-  return {std::min<int64_t>(128, forward_blocks(p).m), std::clamp<int64_t>(p.Nk, 1, bn)};
+  return {std::min<int64_t>(128, forward_blocks<scalar_t>(p).m), std::clamp<int64_t>(p.Nk, 1, bn)};
 }
 
 // ---- The rows of the operands. A (sequence, head)'s rows of a dense (B, heads, N, W) tensor, a
