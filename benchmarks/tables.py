@@ -66,7 +66,7 @@ def _cpu_rows(latest, prefix, name):
         shape = got[0]["shape"]
         for what, cases in (("forward", summary.CPU_CASES[:3]), ("forward+backward", summary.CPU_CASES[3:])):
             ratios = " / ".join(_range([r["ratio"] for r in got if r["case"] == c]) for c in cases)
-            runs = len({r["run"] for r in got})
+            runs = len({r.get("run", 0) for r in got})  # the logs of several runs number them; a JSON result is one
             rows.append([f"softmax attention {what}, {dtype}, {shape} (plain / causal / 1/4 of keys padded)",
                          f"{ratios} `F.scaled_dot_product_attention`" + (f" ({runs} runs)" if runs > 1 else ""),
                          _day(entry["created"]), _link(entry["file"], prefix)])
