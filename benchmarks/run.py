@@ -31,6 +31,8 @@ import sys
 import time
 
 _MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+# How the Triton kernels are launched (kernels/_launch.py), recorded with each result
+_LAUNCH_ENV = ("TRANSFORMER_FAST_DIRECT_LAUNCH", "TRANSFORMER_FAST_NATIVE_LAUNCH")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results")
 
@@ -356,7 +358,7 @@ def run_target(suite, args):
         "command": " ".join([os.path.basename(sys.executable)] + list(getattr(sys, "orig_argv", sys.argv))[1:]),
         "device": measure.device_info(device), "versions": measure.versions(), "backends": backends,
         "threads": torch.get_num_threads(), "load_average": {"start": load_start, "end": _load_average()},
-        "environment": {k: os.environ.get(k) for k in _MALLOC_ENV}, "result": body,
+        "environment": {k: os.environ.get(k) for k in (*_MALLOC_ENV, *_LAUNCH_ENV)}, "result": body,
         "wall_time_s": time.time() - start,
     }
     stem = f"{args.name}-{suite}" if args.name else \
@@ -441,8 +443,8 @@ def run_sweep(args):
         "backends": {"available": backends, "selected": selected},
         "settings": {k: v for k, v in vars(args).items() if k not in ("impls",)} | {"impls": args.impls,
                                                                                    "memory_limit_bytes": memory_limit},
-        "environment": {k: os.environ.get(k) for k in (*_MALLOC_ENV, "OMP_NUM_THREADS", "TRANSFORMER_FAST_BACKEND",
-                                                       "TRITON_INTERPRET")},
+        "environment": {k: os.environ.get(k) for k in (*_MALLOC_ENV, *_LAUNCH_ENV, "OMP_NUM_THREADS",
+                                                       "TRANSFORMER_FAST_BACKEND", "TRITON_INTERPRET")},
         "ceilings": ceilings,
         "load_average": {"start": load_start, "end": _load_average()},
         "method": {"time": measure.__doc__.split("\n\n")[1].replace("\n", " ").strip(),

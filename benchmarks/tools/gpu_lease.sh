@@ -56,22 +56,23 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 }
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
     --out "$OUT/results" --no-progress; pack; }
-stage_direct() {
-    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k direct_launches -q -rfE \
-        --tb=short -p no:cacheprovider >"$OUT/direct.log" 2>&1
+# The gpu tests of tests/test_direct_launch.py matching $2, logged to $OUT/$1.log; pytest's status.
+launch_test() {
+    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k "$2" -q -rfE --tb=short \
+        -p no:cacheprovider >"$OUT/$1.log" 2>&1
     local rc=$?
-    echo "direct-launch test exit $rc"
-    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/direct.log" | tail -10
-    if [ $rc -ne 0 ]; then export TRANSFORMER_FAST_DIRECT_LAUNCH=0; echo "direct launches off from here on"; fi
+    echo "$1-launch test exit $rc"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/$1.log" | tail -10
+    return $rc
+}
+stage_direct() {
+    launch_test direct direct_launches ||
+        { export TRANSFORMER_FAST_DIRECT_LAUNCH=0; echo "direct launches off from here on"; }
 }
 stage_packed() {
     [ "${TRANSFORMER_FAST_DIRECT_LAUNCH:-1}" = 0 ] && { echo "packed: skipped (direct launches off)"; return; }
-    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k packed_launches -q -rfE \
-        --tb=short -p no:cacheprovider >"$OUT/packed.log" 2>&1
-    local rc=$?
-    echo "packed-launch test exit $rc"
-    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/packed.log" | tail -10
-    if [ $rc -eq 0 ]; then export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches on from here on"; fi
+    launch_test packed packed_launches &&
+        { export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches on from here on"; }
 }
 stage_tests() {
     timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid or layer_norm}" -n 14 -q -rfE --tb=short \

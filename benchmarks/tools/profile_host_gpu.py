@@ -13,6 +13,7 @@ most torch's + 5 us) applies.
 """
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -81,6 +82,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("profile_host_gpu needs a CUDA GPU")
     cases = _cases(args.shapes)
+    print("launches: " + ", ".join(f"{k}={os.environ.get(k, 'unset')}" for k in
+                                   ("TRANSFORMER_FAST_DIRECT_LAUNCH", "TRANSFORMER_FAST_NATIVE_LAUNCH")))
     for name, (ours, theirs) in cases.items():
         for fn in (ours, theirs):
             for _ in range(20):  # compile, autotune, allocator warm-up
