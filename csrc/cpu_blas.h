@@ -421,8 +421,10 @@ void pack_b_transposed(const T* src, int64_t ld, int64_t N, int64_t K, T* dst, T
     }
     return;
   }
-  for (int64_t k = 0; k < K; ++k) {
-    for (int64_t n = 0; n < N; ++n) scratch[k * packed_n + n] = src[n * ld + k];
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) scratch[k * packed_n + n] = src[n * ld + k];
+  }
+  for (int64_t k = 0; k < K && packed_n > N; ++k) {
     std::fill(scratch + k * packed_n + N, scratch + (k + 1) * packed_n, T(0));
   }
   pack_b(scratch, packed_n, K, packed_n, dst);

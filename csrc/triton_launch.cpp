@@ -82,7 +82,7 @@ class PackedLaunch {
                         "parameter (", param, ", ", tensor, ") out of range for ", n, " parameters");
       tensor_params_.emplace_back(static_cast<size_t>(param), static_cast<Py_ssize_t>(tensor));
     }
-    if (!fixed_stream_) current_stream();  // a torch without c10's native stream handles refuses here, not later
+    if (!fixed_stream_) current_stream(cuda_guard());  // a torch without c10's native stream handles refuses here
   }
 
   // Launches with `tensors` (the plan's tensor arguments) and `seed`; false where it cannot here
@@ -90,9 +90,9 @@ class PackedLaunch {
   bool launch(const py::tuple& tensors, int64_t seed) const {
     void* stream = stream_;
     if (!fixed_stream_) {
-      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      const c10::impl::DeviceGuardImplInterface* impl = cuda_guard();
       if (impl->getDevice().index() != device_index_) return false;
-      stream = impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, device_index_)));
+      stream = current_stream(impl);
     }
     void* context = nullptr;
     if (ctx_get_current_(&context) != 0 || context == nullptr) return false;
@@ -121,8 +121,12 @@ class PackedLaunch {
   size_t num_params() const { return params_.size() / kSlot; }
 
  private:
-  void* current_stream() const {
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  static const c10::impl::DeviceGuardImplInterface* cuda_guard() {
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  }
+
+  // The current stream of the plan's device, as a cudaStream_t.
+  void* current_stream(const c10::impl::DeviceGuardImplInterface* impl) const {
     return impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, device_index_)));
   }
 
