@@ -7,8 +7,10 @@
 //   * the kernel-level functions, for those paths;
 //   * the signatures of an op kernel's call and of a Triton launch's arguments (launch_signature.cpp),
 //     and launches of compiled Triton kernels from C++ (triton_launch.cpp), for kernels/_launch.py;
+//   * the native calls' set-up (native_calls.cpp), for transformer_fast/_native_calls.py;
 //   * `direct`, the check that lets a Python function take the first path.
 #include "launch_signature.h"
+#include "native_calls.h"
 #include "ops.h"
 #include "triton_launch.h"
 
@@ -250,6 +252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("call_signature", &tf::call_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   tf::bind_packed_launch(m);
+  tf::bind_native_calls(m);
   m.def("layer_norm_forward", &tf::layer_norm_forward);
   m.def("layer_norm_backward", &tf::layer_norm_backward);
   m.def("linear_attention_forward", &tf::linear_attention_forward);

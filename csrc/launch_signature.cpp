@@ -44,14 +44,7 @@ bool append_call_arg(std::string& signature, PyObject* obj) {
   } else if (THPVariable_Check(obj)) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (!t.has_storage()) return false;
-    signature += 'T';
-    signature += static_cast<char>(t.scalar_type());
-    signature += static_cast<char>(t.device().type());
-    signature += static_cast<char>(t.device().index());
-    signature += static_cast<char>(t.dim());
-    for (const int64_t size : t.sizes()) append_value(signature, size);
-    for (const int64_t stride : t.strides()) append_value(signature, stride);
-    signature += static_cast<char>(reinterpret_cast<std::uintptr_t>(t.data_ptr()) & 15);
+    append_tensor_signature(signature, t);
   } else if (PyBool_Check(obj)) {
     signature += obj == Py_True ? 'Y' : 'B';
   } else if (PyLong_Check(obj)) {
@@ -81,6 +74,17 @@ bool append_call_arg(std::string& signature, PyObject* obj) {
 }
 
 }  // namespace
+
+void append_tensor_signature(std::string& signature, const at::Tensor& t) {
+  signature += 'T';
+  signature += static_cast<char>(t.scalar_type());
+  signature += static_cast<char>(t.device().type());
+  signature += static_cast<char>(t.device().index());
+  signature += static_cast<char>(t.dim());
+  for (const int64_t size : t.sizes()) append_value(signature, size);
+  for (const int64_t stride : t.strides()) append_value(signature, stride);
+  signature += static_cast<char>(reinterpret_cast<std::uintptr_t>(t.data_ptr()) & 15);
+}
 
 py::object call_signature(const py::tuple& args) {
   // per argument: a tensor's dtype, device, sizes, strides and address mod 16; None; a bool; an

@@ -4,9 +4,14 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 namespace transformer_fast {
 
 pybind11::object call_signature(const pybind11::tuple& args);
+// Appends a tensor's fields as call_signature writes them: 'T', dtype, device, sizes, strides,
+// address mod 16 (also csrc/native_calls.cpp's signature).
+void append_tensor_signature(std::string& signature, const at::Tensor& t);
 pybind11::object triton_launch_signature(const pybind11::tuple& args);
 
 }  // namespace transformer_fast

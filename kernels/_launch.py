@@ -44,14 +44,20 @@ it, on every launch. Packed launches cover a CUDA driver's kernels with one CTA 
 launch attributes (PDL, cooperative grids), no scratch memory and scalar parameters of int, uint and
 fp32 types; anything else launches as before. Off by default: they have been checked against
 Triton's own arguments only without a GPU (`benchmarks/tools/launch_overhead_triton.py --check`,
-through a recording CUDA driver library)."""
+through a recording CUDA driver library).
+
+With the same setting, the attention and norm ops' CUDA kernels are native calls
+(transformer_fast/_native_calls.py, csrc/native_calls.cpp), which replay a call's packed launches
+from C++. A thread's call recording (kernels/_utils.record_call) collects the packed launches made
+here; any other launch marks it incomplete (`_not_packed`). Forgetting plans or kernels drops the
+native calls' recipes too (`_forget_hooks`)."""
 import ctypes
 import os
 import struct
 import threading
 import weakref
 
-from ._utils import interpreting
+from ._utils import interpreting, recording
 
 _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
 _NATIVE = os.environ.get("TRANSFORMER_FAST_NATIVE_LAUNCH", "0") == "1"
@@ -99,11 +105,13 @@ class CompiledLaunch:
     def forget(self):
         self.entries.clear()
         self.generation += 1
+        forget_native_calls()
 
     def launch(self, grid, args, kwargs):
         """Launches the kernel over `grid` with positional `args` and keyword `kwargs`. Returns
         ((compiled kernel, tail), device) where it launched directly or made the entry for the
         next such call, else None."""
+        _not_packed()
         if self.direct and self._driver is None:
             self._bind()
         if not self.direct:
@@ -142,9 +150,15 @@ class CompiledLaunch:
         if generation != self.generation or _launch_hooks_installed(runtime) or self._pre_run_hooks:
             return False
         if packed is not None and self.native:
-            return packed.launch(tensors, seed)  # False where another device is current
+            if not packed.launch(tensors, seed):  # another device is current
+                return False
+            rec = recording()
+            if rec is not None:
+                rec.launches.append((packed, tensors, seed))
+            return True
         if driver.get_current_device() != device:
             return False
+        _not_packed()
         compiled.run(grid[0], grid[1], grid[2], driver.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *plan.args(tensors, seed), *tail)
         return True
@@ -225,6 +239,7 @@ class TunedLaunch:
     def __call__(self, key, grid, *args, **kwargs):
         config = self.chosen.get(key)
         if config is None:
+            _not_packed()
             with self._choosing:
                 self.autotuned[grid](*args, **kwargs)
                 self.chosen[key] = self.autotuned.best_config.all_kwargs()
@@ -249,6 +264,21 @@ class TunedLaunch:
         self.chosen.clear()
         self.autotuned.cache.clear()
         self.compiled.forget()
+
+
+def _not_packed():
+    """Marks the thread's call recording (if any) incomplete: a launch not packed."""
+    rec = recording()
+    if rec is not None:
+        rec.complete = False
+
+
+_forget_hooks = []  # called whenever plans or compiled kernels are forgotten (transformer_fast/_native_calls.py)
+
+
+def forget_native_calls():
+    for hook in _forget_hooks:
+        hook()
 
 
 def _grid3(grid, kwargs):
@@ -396,3 +426,4 @@ class Plans:
 
     def clear(self):
         self.plans.clear()
+        forget_native_calls()

@@ -1,6 +1,8 @@
 """Small helpers shared by the Triton launchers."""
+import contextlib
 import inspect
 import os
+import threading
 
 import torch
 
@@ -22,13 +24,73 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+class CallRecording:
+    """What one op call's launchers made, for its native call (transformer_fast/_native_calls.py):
+    `news` (kind, the new tensor, the tensor copied or None) in order, `launches` (packed launch,
+    tensors, seed) in order, and `complete`, False once anything launched otherwise. The launchers
+    of a native op make every tensor they launch with or return through the helpers below and
+    change them only by launches: a recording cannot see anything else."""
+
+    SCRATCH, ZEROS, OUTPUT, COPY = range(4)  # csrc/native_calls.cpp's NewKind
+
+    def __init__(self):
+        self.news, self.launches, self.complete = [], [], True
+
+
+_thread = threading.local()
+
+
+def recording():
+    """The calling thread's CallRecording, or None (almost always)."""
+    return getattr(_thread, "recording", None)
+
+
+@contextlib.contextmanager
+def record_call():
+    """Records, inside, what this thread's launchers make (a CallRecording)."""
+    _thread.recording = rec = CallRecording()
+    try:
+        yield rec
+    finally:
+        _thread.recording = None
+
+
+def _empty(shape, dtype, device):
+    # sizes as separate arguments: torch parses them ~0.7 us faster than one tuple
+    return torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
+
+
 def new_output(shape, dtype, device):
     """torch.empty, or NaN-filled with TRANSFORMER_FAST_POISON=1 (set before the kernels are first
     used) so tests catch unwritten elements."""
     if _POISON:
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
-    # sizes as separate arguments: torch parses them ~0.7 us faster than one tuple
-    return torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
+        out = torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    else:
+        out = _empty(shape, dtype, device)
+    rec = recording()
+    if rec is not None:
+        rec.news.append((CallRecording.OUTPUT, out, None))
+    return out
+
+
+def new_scratch(shape, dtype, device, zero=False):
+    """A launch's working tensor: torch.empty (never poisoned: the kernels write what they read), or
+    zeros."""
+    out = torch.zeros(shape, dtype=dtype, device=device) if zero else _empty(shape, dtype, device)
+    rec = recording()
+    if rec is not None:
+        rec.news.append((CallRecording.ZEROS if zero else CallRecording.SCRATCH, out, None))
+    return out
+
+
+def contiguous(t):
+    """t.contiguous(), the copy (where it makes one) recorded."""
+    out = t.contiguous()
+    if out is not t:
+        rec = recording()
+        if rec is not None:
+            rec.news.append((CallRecording.COPY, out, t))
+    return out
 
 
 def new_output_in_rows_of(like, width, dtype=None):

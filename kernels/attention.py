@@ -33,7 +33,7 @@ import types
 import torch
 
 from ._launch import CompiledLaunch, LaunchPlan, Plans, TunedLaunch, seed_class
-from ._utils import LAUNCH_OPTIONS, cdiv, new_output, new_output_in_rows_of, row_strides
+from ._utils import LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch, row_strides
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
@@ -251,8 +251,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         out = new_output(plan.out_shape, q.dtype, q.device)
     lse = new_output(plan.lse_shape, torch.float32, q.device)
     if plan.splits > 1:
-        out_part = torch.empty(plan.splits, plan.n_lse, plan.Dv, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(plan.splits, plan.n_lse, dtype=torch.float32, device=q.device)
+        out_part = new_scratch((plan.splits, plan.n_lse, plan.Dv), torch.float32, q.device)
+        lse_part = new_scratch((plan.splits, plan.n_lse), torch.float32, q.device)
     else:
         out_part, lse_part = out, lse
     sinks_or_q = q if sinks is None else sinks
@@ -358,12 +358,12 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
                                 compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
                                 compute_delta), seed_class(seed))
     if plan.dout_copy:
-        dout = dout.contiguous()
+        dout = contiguous(dout)
     if plan.lse_copy:
-        lse = lse.contiguous()
+        lse = contiguous(lse)
     if plan.out_copy:
-        out = out.contiguous()
-    delta = torch.empty(plan.delta_shape, dtype=torch.float32, device=q.device)
+        out = contiguous(out)
+    delta = new_scratch(plan.delta_shape, torch.float32, q.device)
     if plan.packed:
         dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
     else:
@@ -373,11 +373,11 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded
     dmask = None
     if plan.dmask_shape is not None:
-        dmask = torch.zeros(plan.dmask_shape, dtype=plan.dmask_dtype, device=q.device)
+        dmask = new_scratch(plan.dmask_shape, plan.dmask_dtype, q.device, zero=True)
     # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
     pdp = None
     if compute_delta:
-        pdp = torch.zeros(plan.delta_shape, dtype=torch.float32, device=q.device) if plan.packed else \
+        pdp = new_scratch(plan.delta_shape, torch.float32, q.device, zero=True) if plan.packed else \
             new_output(plan.delta_shape, torch.float32, q.device)
     masks = (_mask_bytes(attn_mask, q), _padding_bytes(key_padding_mask, q),
              q if alibi_slopes is None else alibi_slopes, q if cu_seq_q is None else cu_seq_q,

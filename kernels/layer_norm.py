@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._launch import CompiledLaunch, LaunchPlan, Plans
-from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
+from ._utils import LAUNCH_OPTIONS, cdiv, contiguous, interpreting, new_output, new_scratch, next_power_of_2, sm_count
 
 MAX_TILE = 8192   # widest row kept whole in registers
 LOOP_TILE = 4096  # columns per step for wider rows
@@ -305,7 +305,7 @@ def _vector(t, dummy):
     kernels widen it to float32 as they load it: no conversion launched per call); `dummy` for None."""
     if t is None:
         return dummy
-    return t if t.is_contiguous() else t.contiguous()
+    return t if t.is_contiguous() else contiguous(t)
 
 
 def _forward_plan(x, residual, weight, bias, eps, is_rms):
@@ -379,8 +379,7 @@ def _backward_plan(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
                       dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_P=block_p,
                            BLOCK_N=block_cols, num_warps=sum_warps, **LAUNCH_OPTIONS))
     # Partial sums: the single-tile kernel writes its whole row; the looped one accumulates into it.
-    return types.SimpleNamespace(launch=launch, sums=sums, partial_shape=(programs, N),
-                                 alloc=torch.empty if single else torch.zeros)
+    return types.SimpleNamespace(launch=launch, sums=sums, partial_shape=(programs, N), zero_partials=not single)
 
 
 _backward_plans = Plans(_backward_plan)
@@ -388,11 +387,13 @@ _backward_plans = Plans(_backward_plan)
 
 def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
     plan = _backward_plans.get((dy, dh, h, weight, bias, mean, rstd, eps, is_rms))
-    rstd = rstd.contiguous()
-    mean = rstd if is_rms else mean.contiguous()
+    rstd = contiguous(rstd)
+    mean = rstd if is_rms else contiguous(mean)
     dx = new_output(h.shape, h.dtype, h.device)
-    dw_partial = plan.alloc(plan.partial_shape, dtype=torch.float32, device=h.device) if weight is not None else None
-    db_partial = plan.alloc(plan.partial_shape, dtype=torch.float32, device=h.device) if bias is not None else None
+    dw_partial = None if weight is None else new_scratch(plan.partial_shape, torch.float32, h.device,
+                                                         zero=plan.zero_partials)
+    db_partial = None if bias is None else new_scratch(plan.partial_shape, torch.float32, h.device,
+                                                       zero=plan.zero_partials)
     dummy = h
     launch_bwd.run(plan.launch, (dy, dummy if dh is None else dh, h, _vector(weight, dummy), mean, rstd, dx,
                                  dummy if dw_partial is None else dw_partial,

@@ -4,6 +4,7 @@ The kernels are compiled for real (sm_90, as the compile check does) and launche
 recording driver: Triton's `run` and the direct launch must call the same compiled kernel's
 launcher with the same grid, stream and arguments, for arguments that differ in every way
 Triton specialises on (dtype, alignment, ints equal to 1, divisible by 16, wider than 32 bits)."""
+import os
 import random
 import struct
 import subprocess
@@ -134,6 +135,18 @@ def test_package_launchers_launch_directly_what_triton_would():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": same") == 44, result.stdout  # 22 direct, 22 packed
+
+
+def test_native_calls_replay_what_the_python_kernels_launch():
+    """Native calls (csrc/native_calls.cpp) of attention and the norms, each made from a recipe
+    recorded from a twin call (the same signature, other tensors and seed): the Python kernel's
+    launches, parameter bytes included, and its results, running no Python; calls that differ from
+    a recorded one only in shared addresses or the seed's class run the Python kernel. A process of
+    its own, as above."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("native: same") == 15 and result.stdout.count("Python kernel") == 2, result.stdout
 
 
 def _packed_copy(recording):
@@ -368,3 +381,26 @@ def test_gpu_packed_launches_give_tritons_results():
         assert torch.equal(a, b_), f"result {i} differs between packed launches and Triton's run"
         assert torch.equal(c, b_), f"result {i} differs on a side stream"
     assert torch.equal(captured, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_native_calls_give_the_python_kernels_results(tmp_path):
+    """On a GPU, in two processes, native calls on and off (TRANSFORMER_FAST_NATIVE_LAUNCH): attention
+    (with dropout) and the norms, forward and backward through the public functions, bitwise the
+    same; with them on, every op made from a recipe, on a side stream and in a replayed CUDA graph
+    too (benchmarks/tools/native_calls_triton.gpu_results)."""
+    saved = {}
+    for native in ("1", "0"):
+        path = tmp_path / f"native_{native}.pt"
+        env = {**os.environ, "TRANSFORMER_FAST_NATIVE_LAUNCH": native, "TRANSFORMER_FAST_TILE": "0"}
+        env.pop("TRITON_INTERPRET", None)
+        result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--gpu-results",
+                                 str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        saved[native] = torch.load(path)
+    on, off = saved["1"], saved["0"]
+    assert all(n >= 1 for n in on["recipes"].values()), on["recipes"]
+    assert not any(off["recipes"].values()), off["recipes"]
+    for i, (a, b_) in enumerate(zip(on["results"], off["results"])):
+        assert torch.equal(a, b_), f"result {i} differs between native calls and the Python kernels"
+    assert torch.equal(on["on_side"], off["results"][0]) and torch.equal(on["captured"], off["results"][0])

@@ -11,7 +11,7 @@ import platform
 SOURCES = ("schemas.cpp", "attention_forward.cpp", "attention_backward.cpp", "attention_args.cpp", "attention_op.cpp",
            "layer_norm.cpp",
            "layer_norm_op.cpp", "linear_attention.cpp", "linear_attention_op.cpp", "launch_signature.cpp",
-           "triton_launch.cpp", "bindings.cpp")
+           "triton_launch.cpp", "native_calls.cpp", "bindings.cpp")
 # CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
 CUDA_SOURCES = ("attention_cuda.cu",)
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _backends, _build
+from . import _backends, _build, _native_calls
 from ._layout import empty_in_rows_of
 
 _INF = float("inf")
@@ -158,10 +158,23 @@ def register():
         _library.impl(name, op_kernel(name, "reference"), "CompositeExplicitAutograd")
     if not torch.cuda.is_available():
         return
+    native = {}
     for family in _backends.FAMILIES:
         backend = _backends.dispatcher_backend("cuda", family)
         if backend == "triton":
             for name in (f"{family}_forward", f"{family}_backward"):
-                _library.impl(name, op_kernel(name, "triton", "cuda"), "CUDA")
+                if _native_calls_on() and name in _native_calls.OPS:
+                    native[name] = op_kernel(name, "triton", "cuda")
+                else:
+                    _library.impl(name, op_kernel(name, "triton", "cuda"), "CUDA")
         elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/attention_cuda.cu)
             _build.extension().register_cuda_kernels()
+    if native:
+        _native_calls.setup(native)
+
+
+def _native_calls_on():
+    """Native calls (transformer_fast/_native_calls.py) go with packed launches: both need them."""
+    from .kernels import _launch
+
+    return _launch._NATIVE and not _launch.interpreting()

@@ -8,13 +8,15 @@
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
 #   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
 #              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
-#   packed     the packed-launch test on the GPU (launches from C++, csrc/triton_launch.cpp: bitwise
-#              Triton's results, on a side stream and in a CUDA graph); where it passes, the remaining
-#              stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=1
+#   packed     the packed-launch and native-call tests on the GPU (launches from C++,
+#              csrc/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
+#              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where both
+#              pass, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=1
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
 #              LayerNorm grid is short and stays in), 14 workers
 #   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
-#   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches save
+#   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches and
+#              native calls save
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
 #              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
@@ -56,9 +58,10 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 }
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
     --out "$OUT/results" --no-progress; pack; }
-# The gpu tests of tests/test_direct_launch.py matching $2, logged to $OUT/$1.log; pytest's status.
+# The gpu tests of tests/test_direct_launch.py matching $2, logged to $OUT/$1.log, within $3 seconds
+# (default 90); pytest's status.
 launch_test() {
-    timeout -s INT "$(cap 90)" python3 -m pytest -m gpu tests/test_direct_launch.py -k "$2" -q -rfE --tb=short \
+    timeout -s INT "$(cap "${3:-90}")" python3 -m pytest -m gpu tests/test_direct_launch.py -k "$2" -q -rfE --tb=short \
         -p no:cacheprovider >"$OUT/$1.log" 2>&1
     local rc=$?
     echo "$1-launch test exit $rc"
@@ -71,8 +74,8 @@ stage_direct() {
 }
 stage_packed() {
     [ "${TRANSFORMER_FAST_DIRECT_LAUNCH:-1}" = 0 ] && { echo "packed: skipped (direct launches off)"; return; }
-    launch_test packed packed_launches &&
-        { export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches on from here on"; }
+    launch_test packed "packed_launches or native_calls" 150 &&
+        { export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches and native calls on from here on"; }
 }
 stage_tests() {
     timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid or layer_norm}" -n 14 -q -rfE --tb=short \
@@ -88,7 +91,7 @@ stage_host() {
 stage_host_direct() {
     TRANSFORMER_FAST_NATIVE_LAUNCH=0 timeout -s INT "$(cap 45)" python3 -m benchmarks.tools.profile_host_gpu \
         --shapes tiny --no-cprofile >"$OUT/host_direct.log" 2>&1
-    echo "profile_host_gpu (packed launches off) exit $?"
+    echo "profile_host_gpu (packed launches and native calls off) exit $?"
     grep -E "^tiny " "$OUT/host_direct.log"
 }
 stage_host_run() {
