@@ -37,7 +37,7 @@ OTHER_RECORDS = {
                                         "Triton 3.9 and 3.6, and the checks that both pass the driver the same",
     "cpu-native-calls-2026-11-27.txt": "host time per call of the attention and norm ops' CUDA kernels without a "
                                        "GPU: native calls (C++ recipes) against the Python kernels behind the "
-                                       "dispatcher (0.30-0.47x their time), launched into a recording CUDA library",
+                                       "dispatcher (0.38-0.55x their time), launched into a recording CUDA library",
     "cpu-hf-rmsnorm-2026-11-27.txt": "Hugging Face transformers' RMSNorm modules (Llama's and Gemma's forms) before and "
                                      "after `convert`, decoding and training sizes "
                                      "(`python -m benchmarks.tools.hf_norms_cpu`)",

@@ -82,7 +82,7 @@ struct NativeOp {
 
 struct Registry {
   std::mutex mutex;
-  std::unordered_map<std::string, NativeOp> ops;  // by the op's name, "transformer_fast::<name>"
+  std::unordered_map<std::string, NativeOp> ops;  // by the op's name, "<namespace>::<name>"
   py::object python_call;  // transformer_fast._native_calls.call(name, args, record) -> (results, recipe)
   bool poison = false;     // new outputs NaN-filled (-1 for ints), as kernels/_utils.new_output
 };
@@ -277,7 +277,8 @@ std::vector<c10::IValue> call_python(const c10::FunctionSchema& schema, c10::Arr
   return out;
 }
 
-void native_call(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
+// The kernel: the recipe's call where there is one, else the Python kernel's.
+void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = handle.schema();
   const size_t n_args = schema.arguments().size();
   const auto args = torch::jit::last(*stack, n_args);
@@ -314,39 +315,38 @@ void native_call(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
   for (c10::IValue& r : results) stack->push_back(std::move(r));
 }
 
-void boxed_native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  native_call(handle, stack);
-}
-
-c10::OperatorHandle find_op(const std::string& name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(("transformer_fast::" + name).c_str(), "");
-}
-
 }  // namespace
 
 void bind_native_calls(py::module& m) {
-  // Makes `names` native calls, their misses answered by `python_call(name, args, record)`; with
-  // `register_cuda`, their CUDA kernels (else only native_call runs them, for the tests and tools).
+  // Makes the ops `names` ("namespace::name") native calls, their misses answered by
+  // `python_call(name, args, record)`, registered as their kernels for `dispatch_key` (CUDA; the
+  // tests and tools register twin ops' CPU kernels, there being no CUDA there).
   m.def("native_calls_setup", [](const std::vector<std::string>& names, py::object python_call, bool poison,
-                                 bool register_cuda) {
+                                 const std::string& dispatch_key) {
     Registry& reg = registry();
     {
       std::lock_guard<std::mutex> lock(reg.mutex);
       reg.python_call = std::move(python_call);
       reg.poison = poison;
-      for (const std::string& name : names) {
-        const auto seed = find_op(name).schema().argumentIndexWithName("seed");
-        reg.ops["transformer_fast::" + name].seed_arg = seed.has_value() ? static_cast<int64_t>(*seed) : -1;
-      }
     }
-    if (register_cuda) {
-      static auto* library = new torch::Library(torch::Library::IMPL, "transformer_fast", c10::DispatchKey::CUDA,
-                                                __FILE__, __LINE__);
-      for (const std::string& name : names) {
-        library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed_native_call>());
+    static auto* libraries = new std::unordered_map<std::string, std::unique_ptr<torch::Library>>();
+    const c10::DispatchKey key = c10::parseDispatchKey(dispatch_key);
+    for (const std::string& name : names) {
+      const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+      const auto seed = handle.schema().argumentIndexWithName("seed");
+      {
+        std::lock_guard<std::mutex> lock(reg.mutex);
+        reg.ops[handle.schema().name()].seed_arg = seed.has_value() ? static_cast<int64_t>(*seed) : -1;
       }
+      const size_t split = name.find("::");
+      const std::string ns = name.substr(0, split);
+      auto& library = (*libraries)[ns + "." + dispatch_key];
+      if (library == nullptr) {
+        library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+      }
+      library->impl(name.substr(split + 2).c_str(), torch::CppFunction::makeFromBoxedFunction<&native_call>());
     }
-  }, py::arg("names"), py::arg("python_call"), py::arg("poison"), py::arg("register_cuda"));
+  }, py::arg("names"), py::arg("python_call"), py::arg("poison"), py::arg("dispatch_key"));
   // Drops every recipe (kernels/_launch.py, when it forgets its plans or kernels).
   m.def("native_calls_clear", [] {
     Registry& reg = registry();
@@ -356,26 +356,13 @@ void bind_native_calls(py::module& m) {
       op.seen.clear();
     }
   });
-  // How many recipes `name` holds.
+  // How many recipes the op `name` ("namespace::name") holds.
   m.def("native_calls_recipes", [](const std::string& name) {
     Registry& reg = registry();
     std::lock_guard<std::mutex> lock(reg.mutex);
-    const auto found = reg.ops.find("transformer_fast::" + name);
+    const auto found = reg.ops.find(name);
     return found == reg.ops.end() ? size_t{0} : found->second.recipes.size();
   });
-  // The native call of op `name` with `args` as the dispatcher would make it, on any device's
-  // tensors (the tests and tools run it on the CPU, launching into a recording driver).
-  m.def("native_call", [](const std::string& name, const py::tuple& args) {
-    const c10::OperatorHandle handle = find_op(name);
-    torch::jit::Stack stack = torch::jit::createStackForSchema(handle.schema(), args, py::kwargs(), std::nullopt);
-    {
-      py::gil_scoped_release release;
-      native_call(handle, &stack);
-    }
-    py::tuple results(stack.size());
-    for (size_t i = 0; i < stack.size(); ++i) results[i] = torch::jit::toPyObject(stack[i]);
-    return results;
-  }, py::arg("name"), py::arg("args"));
 }
 
 }  // namespace transformer_fast

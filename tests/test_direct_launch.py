@@ -139,14 +139,16 @@ def test_package_launchers_launch_directly_what_triton_would():
 
 def test_native_calls_replay_what_the_python_kernels_launch():
     """Native calls (csrc/native_calls.cpp) of attention and the norms, each made from a recipe
-    recorded from a twin call (the same signature, other tensors and seed): the Python kernel's
-    launches, parameter bytes included, and its results, running no Python; calls that differ from
-    a recorded one only in shared addresses or the seed's class run the Python kernel. A process of
-    its own, as above."""
+    recorded from a twin call (the same signature, other tensors and seed), through the dispatcher
+    (twin ops' CPU kernels): the Python kernel's launches, parameter bytes included, and its
+    results, running no Python; calls that differ from a recorded one only in shared addresses or
+    the seed's class run the Python kernel; its ValueError reaches the caller. A process of its
+    own, as above."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("native: same") == 15 and result.stdout.count("Python kernel") == 2, result.stdout
+    assert result.stdout.rstrip().endswith("layer_norm_forward   ValueError"), result.stdout
 
 
 def _packed_copy(recording):

@@ -27,8 +27,10 @@ _kernels = {}
 
 
 def call(name, args, record):
-    """The op `name`'s Python kernel on `args`: (its results, a recipe for the signature or None)."""
-    kernel = _kernels[name.split("::")[-1]]
+    """The Python kernel of the op `name` ("namespace::name") on `args`: (its results, a recipe for
+    the call's signature or None)."""
+    name = name.split("::")[-1]
+    kernel = _kernels[name]
     if not record:
         return tuple(kernel(*args)), None
     with _utils.record_call() as rec:
@@ -37,7 +39,7 @@ def call(name, args, record):
     return results, recipe(rec, args, results, 0 if seed_at is None else args[seed_at])
 
 
-_seed_index = {}  # an op's "seed" argument's position, by the op's full name
+_seed_index = {}  # an op's "seed" argument's position, by its name
 
 
 def _template(t):
@@ -96,17 +98,19 @@ def recipe(rec, args, results, seed):
     return news, launches, described
 
 
-def setup(kernels, register_cuda=True):
-    """Makes the ops in `kernels` ({name: Python kernel}) native calls: their CUDA kernels with
-    `register_cuda`, else reachable through the extension's `native_call` only (tests, tools)."""
+def setup(kernels, namespace="transformer_fast", dispatch_key="CUDA"):
+    """Makes the ops in `kernels` ({name: Python kernel}) native calls, registered as their kernels
+    for `dispatch_key`; the tests and tools make twin ops of another `namespace` native calls for
+    the CPU (benchmarks/tools/native_calls_triton.py)."""
     _kernels.update(kernels)
     for name in kernels:
         arguments = [a.name for a in getattr(torch.ops.transformer_fast, name).default._schema.arguments]
         if "seed" in arguments:
-            _seed_index[f"transformer_fast::{name}"] = arguments.index("seed")
+            _seed_index[name] = arguments.index("seed")
     if clear not in _launch._forget_hooks:
         _launch._forget_hooks.append(clear)
-    _build.extension().native_calls_setup(list(kernels), call, _utils._POISON, register_cuda)
+    _build.extension().native_calls_setup([f"{namespace}::{name}" for name in kernels], call, _utils._POISON,
+                                          dispatch_key)
 
 
 def clear():

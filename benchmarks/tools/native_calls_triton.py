@@ -5,29 +5,31 @@
 
 As launch_overhead_triton.py does, runs the ops' CUDA kernels on small CPU tensors with the kernels
 compiled for sm_90 and launched into the recording CUDA library (recording_driver.py), packed
-launches on. Each case makes two calls of one op with the same signature but other tensors (and
-another dropout seed): the native call records its recipe from the first call's Python kernel, then
-makes the second call from the recipe.
+launches on. There being no CUDA here, the native calls are the CPU kernels of twin ops (the same
+schemas in a namespace of their own), called through torch.ops as the CUDA key's are on a GPU:
+the same C++ kernel, dispatcher and Python fallback. Each case makes two calls of one op with the
+same signature but other tensors (and another dropout seed): the native call records its recipe
+from the first call's Python kernel, then makes the second call from the recipe.
 
 --check compares that second call with the Python kernel's own call on the same arguments: the
 same launches (kernel, grid, block, shared memory, stream, and every parameter's bytes, where an
 address of one of the call's new tensors may differ only as the tensors do: a result's by the same
-result and offset, a working tensor's consistently), results of the same dtype, shape, strides and
-storage offset and the same contents (new outputs NaN-filled: TRANSFORMER_FAST_POISON=1; no kernel
-runs here), and no Python kernel run; then that calls which differ from a recorded one only in what
-the native signature adds to the Python plans' (which tensors share an address, the dropout seed's
-class) run the Python kernel. Exits 1 on a difference; tests/test_direct_launch.py runs
-it.
+result and offset, a working tensor's consistently), results of the same dtype, shape, strides,
+storage offset and contents (new outputs NaN-filled: TRANSFORMER_FAST_POISON=1; no kernel runs
+here), and no Python kernel run; then that calls which differ from a recorded one only in what the
+native signature adds to the Python plans' (which tensors share an address, the dropout seed's
+class) run the Python kernel, and that a Python kernel's ValueError reaches the caller. Exits 1 on
+a difference; tests/test_direct_launch.py runs it.
 
 --gpu-results PATH (on a GPU) saves what gpu_results computes, for the GPU test's comparison of a
 process with native calls and one without (tests/test_direct_launch.py).
 
 Without --check, the host time per call of each case's second call, fastest round of each: the
 Python kernel (the CUDA key's kernel without native calls, packed launches on) called directly;
-the same behind the dispatcher (a twin op whose CPU kernel it is, called through torch.ops: what a
-call costs on a GPU today); and the native call made from Python (its arguments parsed into a
-dispatcher stack, as a call through torch.ops parses them; the dispatcher's own C++ call into the
-kernel is left out).
+the same behind the dispatcher (a twin op whose CPU kernel it is: what a call costs on a GPU
+without native calls); the native call (a twin op whose CPU kernel it is). The last two are called
+through torch.ops from Python, which parses the arguments; a model's calls come from C++ (the
+public ops' composite and autograd kernels) and do not pay that.
 """
 import argparse
 import os
@@ -140,13 +142,38 @@ def _cases():
     }
 
 
+_NATIVE_NAMESPACE = "transformer_fast_native"  # twin ops whose CPU kernels are native calls
+_PYTHON_NAMESPACE = "transformer_fast_python"  # twin ops whose CPU kernels are the Python kernels
+
+
+def _twins(namespace, kernels, python_kernels):
+    """The Library holding a twin of each op of `kernels` in `namespace` (the same schema), with
+    the Python kernels as their CPU kernels where `python_kernels`, and {op: its twin}."""
+    library = torch.library.Library(namespace, "DEF")
+    for op, kernel in kernels.items():
+        # the printed schema writes int[] defaults as one int: [-1, -1] prints as -1
+        schema = str(getattr(torch.ops.transformer_fast, op).default._schema).split("::", 1)[1]
+        library.define(schema.replace("int[] window=-1", "int[] window=[-1, -1]"))
+        if python_kernels:
+            library.impl(op, kernel, "CPU")
+    return library, {op: getattr(getattr(torch.ops, namespace), op) for op in kernels}
+
+
 def _setup():
-    """The native calls' table (no CUDA kernel registered: there is no CUDA here), and the Python kernels."""
+    """The Python kernels {op: kernel}; twin ops whose CPU kernels are native calls of them, as the
+    CUDA key's are on a GPU (there is no CUDA here) {op: twin}; the Library holding the twins."""
     from transformer_fast import _device_kernels, _native_calls
 
     kernels = {name: _device_kernels.op_kernel(name, "triton", "cuda") for name in _native_calls.OPS}
-    _native_calls.setup(kernels, register_cuda=False)
-    return kernels
+    library, native = _twins(_NATIVE_NAMESPACE, kernels, python_kernels=False)
+    _native_calls.setup(kernels, namespace=_NATIVE_NAMESPACE, dispatch_key="CPU")
+    return kernels, native, library
+
+
+def _recipes(op):
+    from transformer_fast import _build
+
+    return _build.extension().native_calls_recipes(f"{_NATIVE_NAMESPACE}::{op}")
 
 
 def _count_params():
@@ -165,17 +192,14 @@ def _count_params():
     return address_slots
 
 
-def _prepare(op, make, kernels):
-    """Two instances' arguments, the first's recipe recorded by native calls (packed launches on)."""
-    from transformer_fast import _build
-
-    ext = _build.extension()
+def _prepare(native, make):
+    """Two instances' arguments, the first's recipe recorded by the native call `native`."""
     _forget_plans()
     _set_direct(True, native=True)
     first, second = make(0), make(1)
     for _ in range(4):  # the plan, its autotuned choice, its packed launches; then the recording
-        ext.native_call(op, first)
-    return ext, second
+        native(*first)
+    return second
 
 
 def _roles(launch_params, address_slots, inputs, results):
@@ -224,49 +248,58 @@ def _same_contents(a, b):
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def _runs_python(ext, op, args):
-    """Whether a native call of `op` on `args` ran its Python kernel."""
+def _runs_python(native, op, args):
+    """Whether the native call `native` of `op` on `args` ran its Python kernel."""
     from transformer_fast import _native_calls
 
     ran = []
     python_kernel = _native_calls._kernels[op]
     _native_calls._kernels[op] = lambda *a: ran.append(1) or python_kernel(*a)
     try:
-        ext.native_call(op, args)
+        native(*args)
     finally:
         _native_calls._kernels[op] = python_kernel
     return bool(ran)
 
 
-def check_signatures(kernels):
+def check_signatures(native):
     """0 when calls that differ from a recorded one only in what the signature adds to the Python
-    plans' (which tensors share an address; the dropout seed's class) run the Python kernel."""
+    plans' (which tensors share an address; the dropout seed's class) run the Python kernel, and
+    a Python kernel's error reaches the caller as raised."""
     randn = torch.randn
     q = randn(1, 2, 64, 64)
     k, v = randn(1, 2, 64, 64), randn(1, 2, 64, 64)
     shared = (q, q, q, None, None, True, 0.2, 0.1, 123457)
     twins = {"q, k and v apart": (q, k, v, None, None, True, 0.2, 0.1, 123457),
              "dropout seed 1": (q, q, q, None, None, True, 0.2, 0.1, 1)}
+    attention = native["attention_forward"]
     failures = 0
     for name, args in twins.items():
-        ext, _ = _prepare("attention_forward", lambda i: shared, kernels)
-        recorded = not _runs_python(ext, "attention_forward", shared)
-        python = _runs_python(ext, "attention_forward", args)
-        ok = recorded and python
+        _prepare(attention, lambda i: shared)
+        ok = not _runs_python(attention, "attention_forward", shared) and _runs_python(attention,
+                                                                                       "attention_forward", args)
         print(f"{'attention forward, ' + name:<50} {'attention_forward':<20} {'Python kernel' if ok else 'RECIPE'}")
         failures += not ok
-    return failures
+    try:
+        native["layer_norm_forward"](randn(8, 64), None, randn(63), None, 1e-5, False)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    ok = error is not None and "weight must have shape (64,)" in error
+    print(f"{'layer_norm forward, a weight of 63':<50} {'layer_norm_forward':<20} "
+          f"{'ValueError' if ok else 'NO ValueError: ' + repr(error)}")
+    return failures + (not ok)
 
 
 def check():
     from transformer_fast import _native_calls
 
-    kernels = _setup()
+    kernels, native, _library = _setup()
     lib = library()
     failures = 0
     for name, (op, make) in _cases().items():
-        ext, args = _prepare(op, make, kernels)
-        recipes = ext.native_calls_recipes(op)
+        args = _prepare(native[op], make)
+        recipes = _recipes(op)
         address_slots = _count_params()
         inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         lib.recording_clear()
@@ -277,7 +310,7 @@ def check():
         python_kernel = _native_calls._kernels[op]
         _native_calls._kernels[op] = None  # a native call that ran the Python kernel would fail
         try:
-            ours_out = ext.native_call(op, args)
+            ours_out = native[op](*args)
         except TypeError:
             ours_out = None
         finally:
@@ -289,7 +322,7 @@ def check():
                 _same_launches(theirs, ours, address_slots, inputs, theirs_out, ours_out))
         print(f"{name:<50} {op:<20} {len(ours)} launches native: {'same' if same else 'DIFFERENT'}")
         failures += not same
-    return failures + check_signatures(kernels)
+    return failures + check_signatures(native)
 
 
 def _per_call_us(fn, calls):
@@ -299,34 +332,15 @@ def _per_call_us(fn, calls):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-_BENCH_NAMESPACE = "transformer_fast_native_bench"
-
-
-def _through_dispatcher(kernels):
-    """{op: the op's Python kernel behind the dispatcher}: a twin op in a namespace of its own, its
-    CPU kernel the Python kernel, so that a call costs what the CUDA key's Python kernel costs on a
-    GPU (the dispatcher's call into Python included)."""
-    library = torch.library.Library(_BENCH_NAMESPACE, "DEF")
-    ops = {}
-    for op, kernel in kernels.items():
-        # the printed schema writes int[] defaults as one int: [-1, -1] prints as -1
-        schema = str(getattr(torch.ops.transformer_fast, op).default._schema).split("::", 1)[1]
-        schema = schema.replace("int[] window=-1", "int[] window=[-1, -1]")
-        library.define(schema)
-        library.impl(op, kernel, "CPU")
-        ops[op] = getattr(getattr(torch.ops, _BENCH_NAMESPACE), op)
-    return library, ops
-
-
 def measure(rounds, n):
-    kernels = _setup()
-    library_, dispatched = _through_dispatcher(kernels)
+    kernels, native, _native_library = _setup()
+    _python_library, dispatched = _twins(_PYTHON_NAMESPACE, kernels, python_kernels=True)
     lib = library()
     print(f"{'op kernel (CUDA key), host us per call':<50} {'Python':>9} {'+ disp.':>9} {'native':>9}")
     for name, (op, make) in _cases().items():
-        ext, args = _prepare(op, make, kernels)
+        args = _prepare(native[op], make)
         calls = {"Python": lambda: kernels[op](*args), "dispatched": lambda: dispatched[op](*args),
-                 "native": lambda: ext.native_call(op, args)}
+                 "native": lambda: native[op](*args)}
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(rounds):
             for mode, call in calls.items():
@@ -376,7 +390,7 @@ def gpu_results(path):
         captured = tf.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
     graph.replay()
     torch.cuda.synchronize()
-    recipes = {op: _build.extension().native_calls_recipes(op) for op in _native_calls.OPS}
+    recipes = {op: _build.extension().native_calls_recipes(f"transformer_fast::{op}") for op in _native_calls.OPS}
     torch.save(dict(results=[t.cpu() for t in results], on_side=on_side.cpu(), captured=captured.cpu(),
                     recipes=recipes), path)
 
