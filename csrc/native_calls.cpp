@@ -283,33 +283,32 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
   const size_t n_args = schema.arguments().size();
   const auto args = torch::jit::last(*stack, n_args);
   Registry& reg = registry();
-  std::shared_ptr<const Recipe> recipe;
-  bool record = false;
-  int64_t seed_arg = -1;
-  std::string signature;
+  NativeOp* op = nullptr;  // the map's nodes stay where they are: the pointer outlives the lock
   {
     std::lock_guard<std::mutex> lock(reg.mutex);
-    NativeOp& op = reg.ops[schema.name()];
-    seed_arg = op.seed_arg;
-    signature = call_signature(args, seed_arg);
-    if (!signature.empty()) {
-      const auto found = op.recipes.find(signature);
-      if (found != op.recipes.end()) {
-        recipe = found->second;
-      } else {
-        if (op.seen.size() >= kMaxRecipes) op.seen.clear();
-        record = !op.seen.insert(signature).second;  // seen before: record this call
-      }
+    op = &reg.ops[schema.name()];
+  }
+  const std::string signature = call_signature(args, op->seed_arg);
+  std::shared_ptr<const Recipe> recipe;
+  bool record = false;
+  if (!signature.empty()) {
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    const auto found = op->recipes.find(signature);
+    if (found != op->recipes.end()) {
+      recipe = found->second;
+    } else {
+      if (op->seen.size() >= kMaxRecipes) op->seen.clear();
+      record = !op->seen.insert(signature).second;  // seen before: record this call
     }
   }
-  const int64_t seed = seed_arg >= 0 ? args[seed_arg].toInt() : 0;
+  const int64_t seed = op->seed_arg >= 0 ? args[op->seed_arg].toInt() : 0;
   std::vector<c10::IValue> results;
   std::optional<std::vector<at::Tensor>> ran;
   if (recipe != nullptr) ran = run_recipe(*recipe, args, seed, reg.poison);
   if (ran.has_value()) {
     for (at::Tensor& t : *ran) results.emplace_back(std::move(t));
   } else {
-    results = call_python(schema, args, signature, record && !signature.empty());
+    results = call_python(schema, args, signature, record);
   }
   torch::jit::drop(*stack, n_args);
   for (c10::IValue& r : results) stack->push_back(std::move(r));

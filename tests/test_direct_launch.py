@@ -24,6 +24,7 @@ from transformer_fast.kernels._launch import CompiledLaunch, LaunchPlan, _pack_p
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is run from the repository root, not installed
+from benchmarks.tools.gpu_ops import public_ops  # noqa: E402
 from benchmarks.tools.recording_driver import STREAM, library, library_launches, recording_driver  # noqa: E402
 
 
@@ -271,28 +272,6 @@ def test_call_signature_tells_apart_what_launchers_read():
         assert signature((x, unsupported)) is None, unsupported
 
 
-def _gpu_ops():
-    """A function running attention (forward and backward), LayerNorm and linear attention on the
-    GPU, returning copies of every result and gradient."""
-    import transformer_fast as tf
-
-    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    x, r = torch.randn(2, 300, 96, device="cuda"), torch.randn(2, 300, 96, device="cuda")
-    w, b = (torch.randn(96, device="cuda", requires_grad=True) for _ in range(2))
-    xg = x.clone().requires_grad_()
-
-    def run():
-        for t in (q, k, v, w, b, xg):
-            t.grad = None
-        out = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.float().square().sum().backward()
-        y, h = tf.layer_norm(xg, (96,), w, b, residual=r)
-        (y * h).sum().backward()
-        lin = tf.linear_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
-        return [t.clone() for t in (out, q.grad, k.grad, v.grad, y, h, xg.grad, w.grad, b.grad, lin)]
-    return run
-
-
 def _launch_plans():
     """Every LaunchPlan the launchers hold (inside their plans' namespaces too)."""
     from transformer_fast.kernels import _launch
@@ -324,7 +303,7 @@ def test_gpu_direct_launches_give_tritons_results():
     from transformer_fast.kernels import _launch
     from transformer_fast.kernels import attention as ka
 
-    run = _gpu_ops()
+    run, _ = public_ops()
     launches = list(_launch.CompiledLaunch.instances)
     default = [(launch.direct, launch.native) for launch in launches]
     if _launch._DIRECT:  # unless TRANSFORMER_FAST_DIRECT_LAUNCH=0, on by default on a GPU
@@ -351,7 +330,7 @@ def test_gpu_packed_launches_give_tritons_results():
     from transformer_fast.kernels import _launch
     from transformer_fast.kernels import attention as ka
 
-    run = _gpu_ops()
+    run, _ = public_ops()
     launches = list(_launch.CompiledLaunch.instances)
     default = [(launch.direct, launch.native) for launch in launches]
     try:

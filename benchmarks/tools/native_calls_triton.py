@@ -351,43 +351,26 @@ def measure(rounds, n):
 
 
 def gpu_results(path):
-    """On a GPU: attention (causal, and with dropout; forward and backward), LayerNorm with a residual
-    and RMSNorm (forward and backward) through the public functions, three times (the third made
-    by native calls where they are on), then a forward on a side stream and one captured in a CUDA
-    graph and replayed; every result and gradient saved to `path`, and how many recipes each op
-    holds. The GPU test compares two processes' files, native calls on and off."""
+    """On a GPU: the public functions of gpu_ops.public_ops three times (the third made by native
+    calls where they are on), then an attention forward on a side stream and one captured in a
+    CUDA graph and replayed; every result saved to `path`, with how many recipes each op holds. The
+    GPU test compares two processes' files, native calls on and off."""
+    from benchmarks.tools.gpu_ops import public_ops
     import transformer_fast as tf
     from transformer_fast import _build, _native_calls
 
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    x, r = torch.randn(2, 300, 96, device="cuda"), torch.randn(2, 300, 96, device="cuda")
-    w, b = (torch.randn(96, device="cuda", requires_grad=True) for _ in range(2))
-    xg = x.clone().requires_grad_()
-
-    def run():
-        for t in (q, k, v, w, b, xg):
-            t.grad = None
-        torch.manual_seed(1)  # the dropout seed
-        out = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
-        dropped = tf.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-        (out.float().square().sum() + dropped.float().sum()).backward()
-        y, h = tf.layer_norm(xg, (96,), w, b, residual=r)
-        (y * h).sum().backward()
-        z = tf.rms_norm(xg, (96,), w)
-        z.sum().backward()
-        return [t.detach().clone() for t in (out, dropped, q.grad, k.grad, v.grad, y, h, z, xg.grad, w.grad, b.grad)]
-
+    run, (q, k, v) = public_ops()
     for _ in range(3):
         results = run()
+    q, k, v = q.detach(), k.detach(), v.detach()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        on_side = tf.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+        on_side = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = tf.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+        captured = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
     graph.replay()
     torch.cuda.synchronize()
     recipes = {op: _build.extension().native_calls_recipes(f"transformer_fast::{op}") for op in _native_calls.OPS}
