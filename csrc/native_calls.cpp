@@ -23,6 +23,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -76,6 +77,7 @@ constexpr size_t kMaxRecipes = 4096;  // per op; a full table starts again (shap
 
 struct NativeOp {
   int64_t seed_arg = -1;
+  std::atomic<int64_t> replayed{0};  // calls made from a recipe
   std::unordered_map<std::string, std::shared_ptr<const Recipe>> recipes;
   std::unordered_set<std::string> seen;  // signatures called once, not yet recorded
 };
@@ -306,6 +308,7 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
   std::optional<std::vector<at::Tensor>> ran;
   if (recipe != nullptr) ran = run_recipe(*recipe, args, seed, reg.poison);
   if (ran.has_value()) {
+    op->replayed.fetch_add(1, std::memory_order_relaxed);
     for (at::Tensor& t : *ran) results.emplace_back(std::move(t));
   } else {
     results = call_python(schema, args, signature, record);
@@ -355,12 +358,13 @@ void bind_native_calls(py::module& m) {
       op.seen.clear();
     }
   });
-  // How many recipes the op `name` ("namespace::name") holds.
-  m.def("native_calls_recipes", [](const std::string& name) {
+  // (recipes held, calls made from one) of the op `name` ("namespace::name").
+  m.def("native_calls_stats", [](const std::string& name) {
     Registry& reg = registry();
     std::lock_guard<std::mutex> lock(reg.mutex);
     const auto found = reg.ops.find(name);
-    return found == reg.ops.end() ? size_t{0} : found->second.recipes.size();
+    if (found == reg.ops.end()) return std::make_pair(size_t{0}, int64_t{0});
+    return std::make_pair(found->second.recipes.size(), found->second.replayed.load());
   });
 }
 

@@ -368,8 +368,8 @@ def test_gpu_packed_launches_give_tritons_results():
 def test_gpu_native_calls_give_the_python_kernels_results(tmp_path):
     """On a GPU, in two processes, native calls on and off (TRANSFORMER_FAST_NATIVE_LAUNCH): attention
     (with dropout) and the norms, forward and backward through the public functions, bitwise the
-    same; with them on, every op made from a recipe, on a side stream and in a replayed CUDA graph
-    too (benchmarks/tools/native_calls_triton.gpu_results)."""
+    same; with them on, every call of the attention and norm ops made from a recipe, on a side stream
+    and in a replayed CUDA graph too (benchmarks/tools/native_calls_triton.gpu_results)."""
     saved = {}
     for native in ("1", "0"):
         path = tmp_path / f"native_{native}.pt"
@@ -380,8 +380,12 @@ def test_gpu_native_calls_give_the_python_kernels_results(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         saved[native] = torch.load(path)
     on, off = saved["1"], saved["0"]
+    # per round: attention forward and backward twice (causal; dropout), LayerNorm and RMSNorm
+    # forward and backward
+    assert on["replayed"] == dict(attention_forward=2, attention_backward=2, layer_norm_forward=2,
+                                  layer_norm_backward=2), on["replayed"]
     assert all(n >= 1 for n in on["recipes"].values()), on["recipes"]
-    assert not any(off["recipes"].values()), off["recipes"]
+    assert not any(off["recipes"].values()) and not any(off["replayed"].values()), off
     for i, (a, b_) in enumerate(zip(on["results"], off["results"])):
         assert torch.equal(a, b_), f"result {i} differs between native calls and the Python kernels"
     assert torch.equal(on["on_side"], off["results"][0]) and torch.equal(on["captured"], off["results"][0])

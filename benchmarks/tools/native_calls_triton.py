@@ -170,10 +170,11 @@ def _setup():
     return kernels, native, library
 
 
-def _recipes(op):
+def _stats(op):
+    """(recipes held, calls made from one) of the native twin of `op`."""
     from transformer_fast import _build
 
-    return _build.extension().native_calls_recipes(f"{_NATIVE_NAMESPACE}::{op}")
+    return _build.extension().native_calls_stats(f"{_NATIVE_NAMESPACE}::{op}")
 
 
 def _count_params():
@@ -299,7 +300,7 @@ def check():
     failures = 0
     for name, (op, make) in _cases().items():
         args = _prepare(native[op], make)
-        recipes = _recipes(op)
+        recipes, replayed = _stats(op)
         address_slots = _count_params()
         inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         lib.recording_clear()
@@ -316,7 +317,7 @@ def check():
         finally:
             _native_calls._kernels[op] = python_kernel
         ours = library_launches()
-        same = (recipes == 1 and unpacked == 0 and ours_out is not None and
+        same = (recipes == 1 and unpacked == 0 and ours_out is not None and _stats(op)[1] == replayed + 1 and
                 [_metadata(t) for t in theirs_out] == [_metadata(t) for t in ours_out] and
                 all(_same_contents(a, b) for a, b in zip(theirs_out, ours_out)) and
                 _same_launches(theirs, ours, address_slots, inputs, theirs_out, ours_out))
@@ -351,17 +352,24 @@ def measure(rounds, n):
 
 
 def gpu_results(path):
-    """On a GPU: the public functions of gpu_ops.public_ops three times (the third made by native
-    calls where they are on), then an attention forward on a side stream and one captured in a
-    CUDA graph and replayed; every result saved to `path`, with how many recipes each op holds. The
-    GPU test compares two processes' files, native calls on and off."""
+    """On a GPU: the public functions of gpu_ops.public_ops five times (made from recipes from the
+    fourth on, where native calls are on), then an attention forward on a side stream and one
+    captured in a CUDA graph and replayed; saved to `path`: the last time's results, the side
+    stream's and the graph's, and per op the recipes held and the calls made from one in the last
+    time. The GPU test compares two processes' files, native calls on and off."""
     from benchmarks.tools.gpu_ops import public_ops
     import transformer_fast as tf
     from transformer_fast import _build, _native_calls
 
+    def stats():
+        return {op: _build.extension().native_calls_stats(f"transformer_fast::{op}") for op in _native_calls.OPS}
+
     run, (q, k, v) = public_ops()
-    for _ in range(3):
-        results = run()
+    for _ in range(4):  # a plan and its tile; the launches packed; a recording; replays
+        run()
+    before = stats()
+    results = run()
+    after = stats()
     q, k, v = q.detach(), k.detach(), v.detach()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -373,9 +381,9 @@ def gpu_results(path):
         captured = tf.scaled_dot_product_attention(q, k, v, is_causal=True)
     graph.replay()
     torch.cuda.synchronize()
-    recipes = {op: _build.extension().native_calls_recipes(f"transformer_fast::{op}") for op in _native_calls.OPS}
+    replayed = {op: after[op][1] - before[op][1] for op in after}
     torch.save(dict(results=[t.cpu() for t in results], on_side=on_side.cpu(), captured=captured.cpu(),
-                    recipes=recipes), path)
+                    recipes={op: after[op][0] for op in after}, replayed=replayed), path)
 
 
 def main(argv=None):
