@@ -69,6 +69,14 @@ def _per_call(fn, calls):
     return host / calls, (time.perf_counter() - start) / calls
 
 
+def _print_native_calls():
+    """Per op, the recipes native calls hold and the calls made from one (all 0 where they are off)."""
+    from transformer_fast import _build, _native_calls
+
+    stats = {op: _build.extension().native_calls_stats(f"transformer_fast::{op}") for op in _native_calls.OPS}
+    print("native calls (recipes, calls replayed): " + ", ".join(f"{op} {r}" for op, r in stats.items()))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.tools.profile_host_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=200)
@@ -93,6 +101,7 @@ def main(argv=None):
         print(f"{name:<30} ours host {oh * 1e6:7.1f} us, with device {ot * 1e6:7.1f} us | "
               f"torch host {th * 1e6:7.1f} us, with device {tt * 1e6:7.1f} us | "
               f"host ours - torch {(oh - th) * 1e6:+6.1f} us", flush=True)
+    _print_native_calls()
     if args.torch_profile:  # host time by torch op (the autograd engine's device thread included)
         from torch.profiler import ProfilerActivity, profile
 
