@@ -1,7 +1,8 @@
 """The kernels the dispatcher runs on devices other than the CPU, registered from Python: on
-CUDA the Triton kernels where Triton loads, else the C++ CUDA kernels (attention) and plain torch;
-on any other device plain torch (as CompositeExplicitAutograd, the kernel of every backend key
-that has none of its own). The C++ CPU kernels register themselves (csrc/<family>.cpp).
+CUDA the Triton kernels where Triton loads (with TRANSFORMER_FAST_NATIVE_LAUNCH=1, the attention
+and norm ops' as native calls, transformer_fast/_native_calls.py), else the C++ CUDA kernels
+(attention) and plain torch; on any other device plain torch (as CompositeExplicitAutograd, the
+kernel of every backend key that has none of its own). The C++ CPU kernels register themselves (csrc/<family>.cpp).
 
 ``op_kernel`` adapts a backend's kernel-level function to its op's contract: empty problems
 answered without a launch, results a call does not produce as empty tensors (never None).
@@ -174,7 +175,8 @@ def register():
 
 
 def _native_calls_on():
-    """Native calls (transformer_fast/_native_calls.py) go with packed launches: both need them."""
+    """Native calls replay packed launches: on where those are (TRANSFORMER_FAST_NATIVE_LAUNCH=1,
+    compiled kernels)."""
     from .kernels import _launch
 
     return _launch._NATIVE and not _launch.interpreting()
