@@ -35,6 +35,9 @@ OTHER_RECORDS = {
                                         "own launcher built against a recording CUDA library: packed launches "
                                         "(C++) against direct launches (0.58-0.72x their time) and JITFunction.run, "
                                         "Triton 3.9 and 3.6, and the checks that both pass the driver the same",
+    "cpu-packed-at-second-launch-2026-11-27.txt": "decoding calls with a new key count each step, packed launches "
+                                                  "on: a plan's packed launch made at its second launch instead of "
+                                                  "its first, 80-91 -> 46-53 us per call; repeated shapes unchanged",
     "cpu-native-calls-2026-11-27.txt": "host time per call of the attention and norm ops' CUDA kernels without a "
                                        "GPU: native calls (C++ recipes) against the Python kernels behind the "
                                        "dispatcher (0.38-0.55x their time), launched into a recording CUDA library",

@@ -35,8 +35,8 @@ then fixed by the signature (grids, strides, flags, tiles) or is one of the call
 dtypes and alignments the signature fixes too, or a new output (aligned by its allocator); the
 seed's value enters the signature by what Triton specialises on (`seed_class`).
 
-Packed launches take the last step out of Python: with TRANSFORMER_FAST_NATIVE_LAUNCH=1, a plan's
-direct launch also gets a `PackedLaunch` (csrc/triton_launch.cpp) holding the kernel's parameters
+Packed launches take the last step out of Python: with TRANSFORMER_FAST_NATIVE_LAUNCH=1, a plan
+launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch` (csrc/triton_launch.cpp) holding the kernel's parameters
 packed as Triton's launcher would pass them, and `run` hands it the call's tensors and seed: C++
 writes their addresses into a copy, takes the device's current stream and calls cuLaunchKernel.
 Triton's launcher instead asks each tensor for its address through Python, and the driver to check
@@ -136,8 +136,7 @@ class CompiledLaunch:
     def run(self, plan, tensors, seed=0):
         """Launches `plan` (a LaunchPlan of this kernel) with the call's `tensors` and `seed`."""
         if not self.launch_planned(plan, tensors, seed):
-            plan.remember(self, self.launch(plan.grid, plan.args(tensors, seed), plan.kwargs), plan.kwargs,
-                          len(tensors))
+            plan.remember(self, self.launch(plan.grid, plan.args(tensors, seed), plan.kwargs), plan.kwargs)
 
     def launch_planned(self, plan, tensors, seed):
         """Launches `plan`'s compiled kernel with the call's `tensors` and `seed` where it is known
@@ -149,7 +148,10 @@ class CompiledLaunch:
         driver, runtime = self._driver
         if generation != self.generation or _launch_hooks_installed(runtime) or self._pre_run_hooks:
             return False
-        if packed is not None and self.native:
+        if packed is _PACK_LATER and self.native:  # the plan's second launch: worth packing
+            packed = self.packed(compiled, grid, plan, len(tensors), device)
+            plan.direct = (*direct[:5], packed)
+        if packed is not None and packed is not _PACK_LATER and self.native:
             if not packed.launch(tensors, seed):  # another device is current
                 return False
             rec = recording()
@@ -258,7 +260,7 @@ class TunedLaunch:
             self(plan.key, plan.grid, *args, **plan.kwargs)
             return
         kwargs = {**plan.kwargs, **config}
-        plan.remember(self.compiled, self.compiled.launch(plan.grid, args, kwargs), kwargs, len(tensors))
+        plan.remember(self.compiled, self.compiled.launch(plan.grid, args, kwargs), kwargs)
 
     def forget(self):
         self.chosen.clear()
@@ -298,21 +300,31 @@ class LaunchPlan:
 
     def __init__(self, grid, scalars, kwargs, key=None, seed_at=None):
         self.grid, self.scalars, self.kwargs, self.key, self.seed_at = grid, tuple(scalars), kwargs, key, seed_at
-        self.direct = None  # (compiled kernel, grid, tail, device, generation, PackedLaunch or None) once known
+        # (compiled kernel, grid, tail, device, generation, PackedLaunch, None or _PACK_LATER) once known
+        self.direct = None
 
     def args(self, tensors, seed):
         if self.seed_at is None:
             return (*tensors, *self.scalars)
         return (*tensors, *self.scalars[:self.seed_at], seed, *self.scalars[self.seed_at + 1:])
 
-    def remember(self, launch, launched, kwargs, n_tensors):
-        """Keeps the compiled kernel `launch.launch` returned (`launched`) for the next calls, which
-        pass `n_tensors` tensors."""
+    def remember(self, launch, launched, kwargs):
+        """Keeps the compiled kernel `launch.launch` returned (`launched`) for the next calls."""
         if launched is not None:
             (compiled, tail), device = launched
-            grid = _grid3(self.grid, kwargs)
-            self.direct = (compiled, grid, tail, device, launch.generation,
-                           launch.packed(compiled, grid, self, n_tensors, device))
+            self.direct = (compiled, _grid3(self.grid, kwargs), tail, device, launch.generation, _PACK_LATER)
+
+    @property
+    def packed_launch(self):
+        """The plan's PackedLaunch once made (packed launches on, the plan launched twice), else None."""
+        packed = None if self.direct is None else self.direct[5]
+        return None if packed is _PACK_LATER else packed
+
+
+# A plan's packed launch is made at its second launch: packing its parameters costs about as much
+# as a launch through Triton's launcher, and a plan made for one call (decoding from a cache that
+# grows every step) is never launched again.
+_PACK_LATER = object()
 
 
 _INT_TYPES = frozenset(("i1", "i8", "i16", "i32", "i64"))

@@ -165,9 +165,10 @@ def test_packed_launch_passes_the_plan_with_each_calls_tensors_and_seed(recordin
     launch, plan = _packed_copy(recording)
     lib = library()
     x, y = torch.empty(64), torch.empty(64)
-    launch.run(plan, (x, y), 64)  # through Triton's run: compiles; the plan keeps the kernel, packed
-    assert recording[-1][5]
-    compiled, packed = plan.direct[0], plan.direct[5]
+    launch.run(plan, (x, y), 64)  # through Triton's run: compiles; the plan keeps the kernel
+    assert recording[-1][5] and plan.packed_launch is None  # packed at its second launch only
+    launch.run(plan, (x, y), 64)
+    compiled, packed = plan.direct[0], plan.packed_launch
     assert packed is not None
     lib.recording_set_param_count(compiled.function, packed.num_params)
     lib.recording_clear()
@@ -194,7 +195,7 @@ def test_packed_launch_falls_back_refuses_and_reports(recording):
     x, y = torch.empty(64), torch.empty(64)
     for _ in range(2):
         launch.run(plan, (x, y), 64)
-    packed = plan.direct[5]
+    packed = plan.packed_launch
     n_recorded = len(recording)
     lib.recording_set_context(None)  # a thread without a CUDA context: Triton's launcher sets one up
     try:
@@ -356,7 +357,7 @@ def test_gpu_packed_launches_give_tritons_results():
     finally:
         for launch, (on, native) in zip(launches, default):
             launch.direct, launch.native = on, native
-    assert made and all(plan.direct is not None and plan.direct[5] is not None for plan in made), \
+    assert made and all(plan.packed_launch is not None for plan in made), \
         "a planned launch was not packed"
     for i, (a, b_, c) in enumerate(zip(packed, through_run, on_side)):
         assert torch.equal(a, b_), f"result {i} differs between packed launches and Triton's run"

@@ -319,10 +319,10 @@ def check_packed(cases, triton_launcher=False):
     planned = _launch.CompiledLaunch.launch_planned
 
     def both(self, plan, tensors, seed):
-        direct = plan.direct
-        if direct is None or direct[5] is None or not self.native:
+        direct, packed = plan.direct, plan.packed_launch
+        if packed is None or not self.native:
             return planned(self, plan, tensors, seed)
-        compiled, grid, tail, _, _, packed = direct
+        compiled, grid, tail = direct[:3]
         n_params = sum(ty != "constexpr" for ty in compiled.src.signature.values()) + 2
         lib.recording_set_param_count(compiled.function, n_params)
         lib.recording_clear()
@@ -346,8 +346,8 @@ def check_packed(cases, triton_launcher=False):
     for name, call in cases.items():
         _forget_plans()
         _set_direct(True, native=True)
-        call()
-        call()  # the plans, their direct launches and their packed launches made
+        for _ in range(3):  # the plans and tiles; their direct launches; their packed launches
+            call()
         pairs.clear()
         _launch.CompiledLaunch.launch_planned = both
         try:

@@ -21,6 +21,9 @@ native signature adds to the Python plans' (which tensors share an address, the 
 class) run the Python kernel, and that a Python kernel's ValueError reaches the caller. Exits 1 on
 a difference; tests/test_direct_launch.py runs it.
 
+--decoding times decoding calls whose key count is new each call (a plan made each time, as with a
+cache that grows every step) and repeats (measure_decoding).
+
 --gpu-results PATH (on a GPU) saves what gpu_results computes, for the GPU test's comparison of a
 process with native calls and one without (tests/test_direct_launch.py).
 
@@ -187,9 +190,9 @@ def _count_params():
     for plans in _launch.Plans.instances:
         for plan in plans.plans.values():
             for part in (vars(plan).values() if not isinstance(plan, _launch.LaunchPlan) else (plan,)):
-                if isinstance(part, _launch.LaunchPlan) and part.direct is not None and part.direct[5] is not None:
-                    lib.recording_set_param_count(part.direct[0].function, part.direct[5].num_params)
-                    address_slots[part.direct[0].function] = set(part.direct[5].tensor_slots)
+                if isinstance(part, _launch.LaunchPlan) and part.packed_launch is not None:
+                    lib.recording_set_param_count(part.direct[0].function, part.packed_launch.num_params)
+                    address_slots[part.direct[0].function] = set(part.packed_launch.tensor_slots)
     return address_slots
 
 
@@ -351,6 +354,41 @@ def measure(rounds, n):
         print(f"{name:<50} {best['Python']:6.1f} us {best['dispatched']:6.1f} us {best['native']:6.1f} us")
 
 
+def measure_decoding(swap=False):
+    """Host time per decoding call (one query row, 8 heads over 2 key heads, D 64) whose key count
+    was not seen before (a cache that grows every step: a new plan each call) and whose key count
+    repeats, the native call against the Python kernel behind the dispatcher. Every count of the
+    range warmed up first at an even count (compiled kernels and tiles for each of its length
+    buckets); the new counts are odd, half of them (101-599 or 601-1099, `swap` exchanges them) for
+    each path."""
+    kernels, native, _native_library = _setup()
+    _python_library, dispatched = _twins(_PYTHON_NAMESPACE, kernels, python_kernels=True)
+    _set_direct(True, native=True)
+    q, cache = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1200, 64)
+
+    def args(n):
+        k = cache[:, :, :n].contiguous()
+        return q, k, k, None, None, False, 0.125, 0.0, 0
+
+    warm = [args(n) for n in range(100, 1100, 2)]
+    for a in warm:
+        for op in (native, dispatched):
+            op["attention_forward"](*a)
+            op["attention_forward"](*a)
+    halves = [[args(n) for n in range(101, 601, 2)], [args(n) for n in range(601, 1101, 2)]]
+    if swap:
+        halves.reverse()
+    for (name, op), new in zip((("native", native), ("Python + disp.", dispatched)), halves):
+        start = time.perf_counter()
+        for a in new:
+            op["attention_forward"](*a)
+        fresh = (time.perf_counter() - start) / len(new) * 1e6
+        repeated = _per_call_us(lambda: op["attention_forward"](*warm[100]), 500)
+        print(f"decoding attention forward, {name:<15} new key count {fresh:6.1f} us, repeated {repeated:6.1f} us")
+        launches.clear()
+        library().recording_clear()
+
+
 def gpu_results(path):
     """On a GPU: the public functions of gpu_ops.public_ops five times (made from recipes from the
     fourth on, where native calls are on), then an attention forward on a side stream and one
@@ -392,6 +430,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--gpu-results", metavar="PATH", help="on a GPU: save the results of gpu_results to PATH")
+    parser.add_argument("--decoding", choices=["native-first", "python-first"],
+                        help="time decoding calls with new and repeated key counts (measure_decoding)")
     args = parser.parse_args(argv)
     if args.gpu_results:
         gpu_results(args.gpu_results)
@@ -403,6 +443,9 @@ def main(argv=None):
         try:
             if args.check:
                 return 1 if check() else 0
+            if args.decoding:
+                measure_decoding(swap=args.decoding == "python-first")
+                return 0
             measure(args.rounds, args.calls)
             return 0
         finally:  # drop the compiled kernels (and the recipes) while the driver that loaded them is active
