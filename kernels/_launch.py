@@ -36,8 +36,9 @@ dtypes and alignments the signature fixes too, or a new output (aligned by its a
 seed's value enters the signature by what Triton specialises on (`seed_class`).
 
 Packed launches take the last step out of Python: with TRANSFORMER_FAST_NATIVE_LAUNCH=1, a plan
-launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch` (csrc/triton_launch.cpp) holding the kernel's parameters
-packed as Triton's launcher would pass them, and `run` hands it the call's tensors and seed: C++
+launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch`
+(csrc/triton_launch.cpp) holding the kernel's parameters packed as Triton's launcher would pass
+them, and `run` hands it the call's tensors and seed: C++
 writes their addresses into a copy, takes the device's current stream and calls cuLaunchKernel.
 Triton's launcher instead asks each tensor for its address through Python, and the driver to check
 it, on every launch. Packed launches cover a CUDA driver's kernels with one CTA per cluster, no
