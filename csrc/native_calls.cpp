@@ -85,7 +85,7 @@ struct NativeOp {
 struct Registry {
   std::mutex mutex;
   std::unordered_map<std::string, NativeOp> ops;  // by the op's name, "<namespace>::<name>"
-  py::object python_call;  // transformer_fast._native_calls.call(name, args, record) -> (results, recipe)
+  py::object python_call;  // transformer_fast._native_calls.call(name, args, record, seed) -> (results, recipe)
   bool poison = false;     // new outputs NaN-filled (-1 for ints), as kernels/_utils.new_output
 };
 
@@ -256,12 +256,12 @@ std::shared_ptr<const Recipe> parse_recipe(const py::tuple& described, size_t n_
 
 // The Python kernel's call (recording where asked): its results, as the schema returns them.
 std::vector<c10::IValue> call_python(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
-                                     const std::string& signature, bool record) {
+                                     const std::string& signature, bool record, int64_t seed) {
   py::gil_scoped_acquire gil;
   Registry& reg = registry();
   py::tuple py_args(args.size());
   for (size_t i = 0; i < args.size(); ++i) py_args[i] = torch::jit::toPyObject(args[i]);
-  const py::tuple answer = reg.python_call(schema.name(), py_args, record);
+  const py::tuple answer = reg.python_call(schema.name(), py_args, record, seed);
   const py::tuple results = answer[0].cast<py::tuple>();
   const auto& returns = schema.returns();
   TORCH_CHECK(results.size() == returns.size(), "native calls: ", schema.name(), " returned ", results.size(),
@@ -311,7 +311,7 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
     op->replayed.fetch_add(1, std::memory_order_relaxed);
     for (at::Tensor& t : *ran) results.emplace_back(std::move(t));
   } else {
-    results = call_python(schema, args, signature, record);
+    results = call_python(schema, args, signature, record, seed);
   }
   torch::jit::drop(*stack, n_args);
   for (c10::IValue& r : results) stack->push_back(std::move(r));
@@ -321,7 +321,7 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
 
 void bind_native_calls(py::module& m) {
   // Makes the ops `names` ("namespace::name") native calls, their misses answered by
-  // `python_call(name, args, record)`, registered as their kernels for `dispatch_key` (CUDA; the
+  // `python_call(name, args, record, seed)` (seed: the "seed" argument's value, else 0), registered as their kernels for `dispatch_key` (CUDA; the
   // tests and tools register twin ops' CPU kernels, there being no CUDA there).
   m.def("native_calls_setup", [](const std::vector<std::string>& names, py::object python_call, bool poison,
                                  const std::string& dispatch_key) {

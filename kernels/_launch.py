@@ -149,16 +149,17 @@ class CompiledLaunch:
         driver, runtime = self._driver
         if generation != self.generation or _launch_hooks_installed(runtime) or self._pre_run_hooks:
             return False
-        if packed is _PACK_LATER and self.native:  # the plan's second launch: worth packing
-            packed = self.packed(compiled, grid, plan, len(tensors), device)
-            plan.direct = (*direct[:5], packed)
-        if packed is not None and packed is not _PACK_LATER and self.native:
-            if not packed.launch(tensors, seed):  # another device is current
-                return False
-            rec = recording()
-            if rec is not None:
-                rec.launches.append((packed, tensors, seed))
-            return True
+        if self.native:
+            if packed is _PACK_LATER:  # the plan's second launch: worth packing
+                packed = self.packed(compiled, grid, plan, len(tensors), device)
+                plan.direct = (*direct[:5], packed)
+            if packed is not None:
+                if not packed.launch(tensors, seed):  # another device is current
+                    return False
+                rec = recording()
+                if rec is not None:
+                    rec.launches.append((packed, tensors, seed))
+                return True
         if driver.get_current_device() != device:
             return False
         _not_packed()
@@ -168,9 +169,7 @@ class CompiledLaunch:
 
     def packed(self, compiled, grid, plan, n_tensors, device):
         """`plan`'s launch of `compiled` over `grid` as a PackedLaunch (module docstring), or None
-        where packed launches are off or do not cover it."""
-        if not self.native:
-            return None
+        where packed launches do not cover it."""
         driver = self._driver[0]
         functions = _cuda_driver_functions(driver)
         packing = None if functions is None else _pack_params(self.kernel, compiled, plan, n_tensors)

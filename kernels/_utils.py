@@ -93,22 +93,27 @@ def contiguous(t):
     return out
 
 
-def new_output_in_rows_of(like, width, dtype=None):
-    """new_output for an attention result in ``like``'s row order (transformer_fast/_layout.py), and
-    its (batch, head, row) strides counted in rows of ``width`` elements, as the kernels take them."""
-    dtype = like.dtype if dtype is None else dtype
+def strides_in_rows_of(like):
+    """(transposed, strides) of a new attention result in the row order of ``like`` (B, H, N, *)
+    (transformer_fast/_layout.py): whether it is laid out (B, N, H, W) and viewed as (B, H, N, W),
+    and its (batch, head, row) strides counted in rows of W elements, as the kernels take them."""
     # transformer_fast/_layout.py's rule, restated: this package imports nothing from transformer_fast
     # at import time, as it must also import as a top-level `kernels` (transformers probes for a package
     # of that name, and finds this one wherever the checkout is on sys.path)
-    if like.dim() != 4:
-        out = new_output((*like.shape[:-1], width), dtype, like.device)
-        return out, row_strides(out)
-    B, H, N, _ = like.shape
-    # the new tensor's strides, as torch lays it out (a size-0 dim counts as 1), in rows of width
-    rows_h, rows_n = max(H, 1), max(N, 1)
+    _, H, N, _ = like.shape
+    rows_h, rows_n = max(H, 1), max(N, 1)  # as torch lays a new tensor out: a size-0 dim counts as 1
     if like.stride(1) < like.stride(2):
-        return new_output((B, N, H, width), dtype, like.device).transpose(1, 2), (rows_n * rows_h, 1, rows_h)
-    return new_output((B, H, N, width), dtype, like.device), (rows_h * rows_n, rows_n, 1)
+        return True, (rows_n * rows_h, 1, rows_h)
+    return False, (rows_h * rows_n, rows_n, 1)
+
+
+def new_output_in_rows_of(like, width):
+    """new_output for an attention result of width ``width`` in the row order of ``like`` (B, H, N, *)
+    (strides_in_rows_of)."""
+    B, H, N, _ = like.shape
+    if strides_in_rows_of(like)[0]:
+        return new_output((B, N, H, width), like.dtype, like.device).transpose(1, 2)
+    return new_output((B, H, N, width), like.dtype, like.device)
 
 
 def row_strides(t):

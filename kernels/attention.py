@@ -33,7 +33,8 @@ import types
 import torch
 
 from ._launch import CompiledLaunch, LaunchPlan, Plans, TunedLaunch, seed_class
-from ._utils import LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch, row_strides
+from ._utils import (LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch, row_strides,
+                     strides_in_rows_of)
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
                                  attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
@@ -197,7 +198,7 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
         num_pages, page_size = 0, 1
         q_strides, k_strides, v_strides = q.stride()[:3], k.stride()[:3], v.stride()[:3]
         rows, keys = n_q, n_k
-        out_shape, out_strides = None, new_output_in_rows_of(q, Dv)[1]  # out's strides in rows of Dv elements
+        out_shape, out_strides = None, strides_in_rows_of(q)[1]  # out's strides in rows of Dv elements
         lse_shape, lse_strides = (B, H, n_q), (H * n_q, n_q)
         n_lse, drop_stride = B * H * n_q, n_k
     window = _window(window, rows, keys, packed)
@@ -246,7 +247,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                                alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
                                num_splits), seed_class(seed))
     if plan.out_shape is None:
-        out, _ = new_output_in_rows_of(q, plan.Dv)
+        out = new_output_in_rows_of(q, plan.Dv)
     else:
         out = new_output(plan.out_shape, q.dtype, q.device)
     lse = new_output(plan.lse_shape, torch.float32, q.device)
@@ -322,7 +323,7 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
         if out_copy:
             out_strides = row_strides(out.contiguous())
         delta_shape = (B, H, n_q)
-        grad_strides = tuple(new_output_in_rows_of(t, t.shape[-1])[1] for t in (q, k, v))
+        grad_strides = tuple(strides_in_rows_of(t)[1] for t in (q, k, v))
     dq_s, dk_s, dv_s = grad_strides
     pre_block = 64 if meta["BLOCK_DV"] <= 128 else 32
     preprocess = LaunchPlan((cdiv(n_q, pre_block), H, 1 if packed else B), (*out_strides, *do_s, *lse_s, n_q),
@@ -367,7 +368,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     if plan.packed:
         dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
     else:
-        (dq, _), (dk, _), (dv, _) = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
+        dq, dk, dv = (new_output_in_rows_of(t, t.shape[-1]) for t in (q, k, v))
     launch_preprocess.run(plan.preprocess, (out, dout, delta))
 
     # dS: zero-filled, as the dQ kernel skips key tiles outside the causal/window band or all padded

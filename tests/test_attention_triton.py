@@ -99,9 +99,9 @@ def test_launchers_run_no_torch_op_beyond_allocations(monkeypatch, compute_dmask
 
 @pytest.mark.parametrize("poison", [True, False])
 def test_new_outputs_row_strides_are_the_tensors(monkeypatch, poison):
-    """The launchers' outputs come with their (batch, head, row) strides worked out, not read back
-    from the tensor: they must be what torch gave it, in both layouts and at sizes 0 and 1, as
-    allocated with and without TRANSFORMER_FAST_POISON (which the other tests set)."""
+    """The launchers work out their outputs' (batch, head, row) strides without the tensors (the
+    plans, strides_in_rows_of): they must be what torch gives them, in both layouts and at sizes 0
+    and 1, as allocated with and without TRANSFORMER_FAST_POISON (which the other tests set)."""
     from transformer_fast.kernels import _utils
 
     monkeypatch.setattr(_utils, "_POISON", poison)
@@ -109,7 +109,7 @@ def test_new_outputs_row_strides_are_the_tensors(monkeypatch, poison):
     assert fresh.shape == (2, 3) and fresh.dtype == torch.float16 and (fresh.isnan().all() or not poison)
     for B, H, N, W in itertools.product([0, 1, 2], [0, 1, 3], [0, 1, 5], [0, 1, 6]):
         for like in (torch.empty(B, H, N, 4), torch.empty(B, N, H, 4).transpose(1, 2)):
-            out, strides = _utils.new_output_in_rows_of(like, W)
+            out, (_, strides) = _utils.new_output_in_rows_of(like, W), _utils.strides_in_rows_of(like)
             assert out.shape == (B, H, N, W)
             assert strides == _utils.row_strides(out), (like.shape, like.stride(), W, out.stride())
             assert out.is_contiguous() or like.stride(1) < like.stride(2)

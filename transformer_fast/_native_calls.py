@@ -26,20 +26,15 @@ OPS = ("attention_forward", "attention_backward", "layer_norm_forward", "layer_n
 _kernels = {}
 
 
-def call(name, args, record):
+def call(name, args, record, seed):
     """The Python kernel of the op `name` ("namespace::name") on `args`: (its results, a recipe for
-    the call's signature or None)."""
-    name = name.split("::")[-1]
-    kernel = _kernels[name]
+    the call's signature or None). `seed`: the call's dropout seed (0 for an op without one)."""
+    kernel = _kernels[name.split("::")[-1]]
     if not record:
         return tuple(kernel(*args)), None
     with _utils.record_call() as rec:
         results = tuple(kernel(*args))
-    seed_at = _seed_index.get(name)
-    return results, recipe(rec, args, results, 0 if seed_at is None else args[seed_at])
-
-
-_seed_index = {}  # an op's "seed" argument's position, by its name
+    return results, recipe(rec, args, results, seed)
 
 
 def _template(t):
@@ -102,10 +97,6 @@ def setup(kernels, namespace="transformer_fast", dispatch_key="CUDA"):
     for `dispatch_key`; the tests and tools make twin ops of another `namespace` native calls for
     the CPU (benchmarks/tools/native_calls_triton.py)."""
     _kernels.update(kernels)
-    for name in kernels:
-        arguments = [a.name for a in getattr(torch.ops.transformer_fast, name).default._schema.arguments]
-        if "seed" in arguments:
-            _seed_index[name] = arguments.index("seed")
     if clear not in _launch._forget_hooks:
         _launch._forget_hooks.append(clear)
     _build.extension().native_calls_setup([f"{namespace}::{name}" for name in kernels], call, _utils._POISON,

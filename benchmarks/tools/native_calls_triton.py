@@ -40,7 +40,8 @@ import struct
 import sys
 import time
 
-from benchmarks.tools.launch_overhead_triton import _drop_compiled, _forget_plans, _set_direct  # noqa: I100
+from benchmarks.tools.launch_overhead_triton import (_drop_compiled, _forget_plans, _per_call_us,  # noqa: I100
+                                                     _set_direct)
 from benchmarks.tools.recording_driver import launches, library, library_launches, recording_driver
 
 import torch  # noqa: E402, I100
@@ -327,13 +328,6 @@ def check():
         print(f"{name:<50} {op:<20} {len(ours)} launches native: {'same' if same else 'DIFFERENT'}")
         failures += not same
     return failures + check_signatures(native)
-
-
-def _per_call_us(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def measure(rounds, n):
