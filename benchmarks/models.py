@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 
 import torch
 
@@ -394,10 +395,12 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
         return {**row, "status": "skipped", "max_error": None, "error_bound": None,
                 "note": f"~{predicted:.0f} s per call predicted (float32 time x the measured linear-layer "
                         f"slowdown {slowdown:.0f}x) > --max-call-seconds"}
+    started = time.perf_counter()
     ok, err, bound = case["check"]()
     row.update(max_error=err, error_bound=bound)
     if "same_greedy_tokens" in case:
         row["same_greedy_tokens"] = case["same_greedy_tokens"]()
+    row["check_s"] = time.perf_counter() - started  # on a GPU, mostly the kernels' compilation and tuning
     if not ok:
         print(f"{label} WRONG: error {err:.3g} > bound {bound:.3g}", flush=True)
         return {**row, "status": "wrong"}
@@ -408,7 +411,9 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
         # The control: a deep copy of the sdpa model, timed in the same rounds. Its ratio to the
         # sdpa model is what the same code gets from where a model's tensors happen to lie in memory.
         fns["sdpa twin"] = case["make"](copy.deepcopy(ref))
+    started = time.perf_counter()
     first = {k: measure.time_once(fn, device) for k, fn in fns.items()}  # warm-up, and the sample size
+    row["first_calls_s"] = time.perf_counter() - started
     if precision == "float32":
         fp32_seconds[key] = first["sdpa"]
     times = measure.time_interleaved(fns, device, first_call_s=first, max_repeats=args.repeats,
@@ -441,7 +446,8 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
     twin = f"  twin {row['twin_ratio']:.2f}" if "twin_ratio" in row else ""
     print(f"{label} sdpa {row['sdpa_ms']:9.1f} ms  ours {row['ours_ms']:9.1f} ms  ratio {ratio:5.2f} [{ratio_low:.2f}, "
           f"{ratio_high:.2f}]{twin}  "
-          f"attention+norms {_pct(share)} of the sdpa model{pieces}", flush=True)
+          f"attention+norms {_pct(share)} of the sdpa model{pieces}  (check {row['check_s']:.1f} s, first calls "
+          f"{row['first_calls_s']:.1f} s)", flush=True)
     return row
 
 

@@ -95,6 +95,10 @@ OTHER_RECORDS = {
     "cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt": "the LayerNorm backward's steps, warps and programs per SM timed "
                                                      "on an H100 against torch's backward (kernel time): the source "
                                                      "of the backward's tile table",
+    "cuda-h100-host-2026-11-27.txt": "host time per call on an H100's machine, ours and torch's, with packed launches "
+                                     "and native calls and without them (TRANSFORMER_FAST_NATIVE_LAUNCH=0)",
+    "cuda-h100-gpu-tests-2026-11-27.txt": "the `gpu`-marked tests on an H100 with packed launches and native calls: "
+                                          "their bitwise tests and the rest without the full grids",
     "cuda-h100-host-2026-11-26.txt": "host time per call on an H100's machine, ours and torch's, with direct launches "
                                      "and without them (TRANSFORMER_FAST_DIRECT_LAUNCH=0), and where the time goes",
     "cuda-h100-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H100 with direct launches: the direct-launch "

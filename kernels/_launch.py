@@ -35,17 +35,17 @@ then fixed by the signature (grids, strides, flags, tiles) or is one of the call
 dtypes and alignments the signature fixes too, or a new output (aligned by its allocator); the
 seed's value enters the signature by what Triton specialises on (`seed_class`).
 
-Packed launches take the last step out of Python: with TRANSFORMER_FAST_NATIVE_LAUNCH=1, a plan
-launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch`
+Packed launches take the last step out of Python (TRANSFORMER_FAST_NATIVE_LAUNCH=0 turns them
+off): a plan launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch`
 (csrc/triton_launch.cpp) holding the kernel's parameters packed as Triton's launcher would pass
-them, and `run` hands it the call's tensors and seed: C++
-writes their addresses into a copy, takes the device's current stream and calls cuLaunchKernel.
-Triton's launcher instead asks each tensor for its address through Python, and the driver to check
-it, on every launch. Packed launches cover a CUDA driver's kernels with one CTA per cluster, no
-launch attributes (PDL, cooperative grids), no scratch memory and scalar parameters of int, uint and
-fp32 types; anything else launches as before. Off by default: they have been checked against
-Triton's own arguments only without a GPU (`benchmarks/tools/launch_overhead_triton.py --check`,
-through a recording CUDA driver library).
+them, and `run` hands it the call's tensors and seed: C++ writes their addresses into a copy, takes
+the device's current stream and calls cuLaunchKernel. Triton's launcher instead asks each tensor
+for its address through Python, and the driver to check it, on every launch. Packed launches cover
+a CUDA driver's kernels with one CTA per cluster, no launch attributes (PDL, cooperative grids), no
+scratch memory and scalar parameters of int, uint and fp32 types; anything else launches as before.
+Checked against Triton's own arguments without a GPU (`benchmarks/tools/launch_overhead_triton.py
+--check`, through a recording CUDA driver library) and against Triton's results on an H100
+(tests/test_direct_launch.py's gpu tests).
 
 With the same setting, the attention and norm ops' CUDA kernels are native calls
 (transformer_fast/_native_calls.py, csrc/native_calls.cpp), which replay a call's packed launches
@@ -61,7 +61,7 @@ import weakref
 from ._utils import interpreting, recording
 
 _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
-_NATIVE = os.environ.get("TRANSFORMER_FAST_NATIVE_LAUNCH", "0") == "1"
+_NATIVE = os.environ.get("TRANSFORMER_FAST_NATIVE_LAUNCH", "1") != "0"
 # The launcher call below is Triton's own (JITFunction.run) from 3.6 on, the versions checked
 # (3.6 and 3.9); older ones launch through Triton's run.
 _FIRST_DIRECT_TRITON = (3, 6)

@@ -1,6 +1,6 @@
 """The kernels the dispatcher runs on devices other than the CPU, registered from Python: on
-CUDA the Triton kernels where Triton loads (with TRANSFORMER_FAST_NATIVE_LAUNCH=1, the attention
-and norm ops' as native calls, transformer_fast/_native_calls.py), else the C++ CUDA kernels
+CUDA the Triton kernels where Triton loads (the attention and norm ops' as native calls unless
+TRANSFORMER_FAST_NATIVE_LAUNCH=0, transformer_fast/_native_calls.py), else the C++ CUDA kernels
 (attention) and plain torch; on any other device plain torch (as CompositeExplicitAutograd, the
 kernel of every backend key that has none of its own). The C++ CPU kernels register themselves (csrc/<family>.cpp).
 
@@ -175,8 +175,8 @@ def register():
 
 
 def _native_calls_on():
-    """Native calls replay packed launches: on where those are (TRANSFORMER_FAST_NATIVE_LAUNCH=1,
-    compiled kernels)."""
+    """Native calls replay packed launches: on where those are (compiled kernels, unless
+    TRANSFORMER_FAST_NATIVE_LAUNCH=0)."""
     from .kernels import _launch
 
     return _launch._NATIVE and not _launch.interpreting()

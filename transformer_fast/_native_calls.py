@@ -1,6 +1,6 @@
 """Native calls: the CUDA kernels of the Triton attention and norm ops in C++ (csrc/native_calls.cpp).
 
-With TRANSFORMER_FAST_NATIVE_LAUNCH=1 on a GPU with Triton, `attention_forward`,
+On a GPU with Triton (unless TRANSFORMER_FAST_NATIVE_LAUNCH=0), `attention_forward`,
 `attention_backward`, `layer_norm_forward` and `layer_norm_backward` get one boxed C++ kernel for the
 CUDA key. For a call signature it has a recipe for, it makes the call's new tensors, launches the
 packed launches (csrc/triton_launch.cpp) with the call's tensors and seed and returns the results,

@@ -10,30 +10,32 @@
 #              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
 #   packed     the packed-launch and native-call tests on the GPU (launches from C++,
 #              csrc/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
-#              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where both
-#              pass, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=1
+#              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
+#              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
+#   llama      the Llama-like decoder on the GPU (bf16 autocast): training steps and `generate`,
+#              progress and any traceback logged whole to $OUT/llama.log
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
 #              LayerNorm grid is short and stays in), 14 workers
-#   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
-#   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches and
-#              native calls save
-#   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
-#              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
-#   ln_bwd     the LayerNorm backward's tile choices against its table (tools/sweep_layer_norm_bwd_gpu)
-#   models     the encoder-decoder and BERT on the GPU (bf16 autocast), then the Llama-like decoder
 #   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
 #   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
+#   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
+#   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches and
+#              native calls save
+#   models     the encoder-decoder and BERT on the GPU (bf16 autocast)
+#   ln_bwd     the LayerNorm backward's tile choices against its table (tools/sweep_layer_norm_bwd_gpu)
+#   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
+#              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   grids      the full grids of the gpu tests, in what time is left
 #
 # `python -m benchmarks.run --only gpu` is the complete run; this is its order of priority for a
 # machine lent for minutes. Logs go to $OUT (default /tmp/gpu_lease); result files to
-# $OUT/results, packed into $OUT/results.tar after each stage so that what finished comes back
-# when a later stage is cut. DEADLINE (seconds, default 570) bounds the whole call; TESTS_K replaces
-# the tests stage's -k expression, HOST_ARGS adds options to the host stage. Where the tree was
-# copied without its own .git (a lent machine), set TRANSFORMER_FAST_GIT_COMMIT to the commit it
-# holds, for the result files.
+# $OUT/results; both are packed into $OUT/results.tar after each stage, so that what finished comes
+# back when a later stage is cut (and when a lent machine returns only a few files). DEADLINE
+# (seconds, default 570) bounds the whole call; TESTS_K replaces the tests stage's -k expression,
+# HOST_ARGS adds options to the host stage. Where the tree was copied without its own .git (a lent
+# machine), set TRANSFORMER_FAST_GIT_COMMIT to the commit it holds, for the result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_lease}
 DEADLINE=${DEADLINE:-570}
@@ -44,7 +46,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; 
 
 left() { echo $((DEADLINE - SECONDS)); }
 cap() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }  # at most $1 seconds, within the deadline
-pack() { tar -C "$OUT" -cf "$OUT/results.tar" results; }
+pack() { (cd "$OUT" && tar -cf results.tar results $(ls *.log 2>/dev/null)); }
 BENCH=(python3 -m benchmarks.run --out "$OUT/results" --no-progress --no-plots)
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 
@@ -57,7 +59,7 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| transformer
 '| backends', tf.available_backends())"
 }
 stage_check() { timeout -s INT "$(cap 120)" python3 -m benchmarks.run --only gpu --gpu-steps install \
-    --out "$OUT/results" --no-progress; pack; }
+    --out "$OUT/results" --no-progress; }
 # The gpu tests of tests/test_direct_launch.py matching $2, logged to $OUT/$1.log, within $3 seconds
 # (default 90); pytest's status.
 launch_test() {
@@ -74,8 +76,8 @@ stage_direct() {
 }
 stage_packed() {
     [ "${TRANSFORMER_FAST_DIRECT_LAUNCH:-1}" = 0 ] && { echo "packed: skipped (direct launches off)"; return; }
-    launch_test packed "packed_launches or native_calls" 150 &&
-        { export TRANSFORMER_FAST_NATIVE_LAUNCH=1; echo "packed launches and native calls on from here on"; }
+    launch_test packed "packed_launches or native_calls" 150 ||
+        { export TRANSFORMER_FAST_NATIVE_LAUNCH=0; echo "packed launches and native calls off from here on"; }
 }
 stage_tests() {
     timeout -s INT "$(cap 170)" python3 -m pytest -m gpu tests -k "${TESTS_K:-not full_grid or layer_norm}" -n 14 -q -rfE --tb=short \
@@ -101,24 +103,29 @@ stage_host_run() {
     grep -E "^tiny " "$OUT/host_run.log"
 }
 stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_attention --dtype bfloat16 \
-    --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; pack; }
+    --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; }
 stage_kernels() {
     timeout -s INT "$(cap 60)" python3 -m benchmarks.tools.profile_attention_gpu >"$OUT/kernels.log" 2>&1
     echo "profile_attention_gpu exit $?"
     grep -E "^==|^  (ours|torch):" "$OUT/kernels.log"
 }
-stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; pack; }
+stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; }
 stage_ln_bwd() {
     timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.sweep_layer_norm_bwd_gpu \
         --out "$OUT/results/layer_norm_bwd_sweep.json" >"$OUT/ln_bwd.log" 2>&1
     echo "sweep_layer_norm_bwd_gpu exit $?"
-    grep -E "^==|current" "$OUT/ln_bwd.log"; pack
+    grep -E "^==|current" "$OUT/ln_bwd.log"
 }
 stage_models() {
     timeout -s INT "$(cap 150)" "${BENCH[@]}" --only models --device cuda --model-families encdec,bert --budget 1 \
-        --repeats 10 --min-repeats 3 2>&1 | tail -12; pack
-    timeout -s INT "$(cap 150)" "${BENCH[@]}" --only models --device cuda --model-families llama --budget 1 \
-        --repeats 10 --min-repeats 3 2>&1 | tail -8; pack
+        --repeats 10 --min-repeats 3 2>&1 | tail -12
+}
+stage_llama() {
+    timeout -s INT "$(cap 240)" python3 -X faulthandler -m benchmarks.run --out "$OUT/results" --no-plots \
+        --only models --device cuda --model-families llama --budget 1 --repeats 10 --min-repeats 3 \
+        >"$OUT/llama.log" 2>&1
+    echo "llama exit $? at ${SECONDS}s"
+    grep -E "^  llama|^wrote" "$OUT/llama.log"
 }
 stage_ncu() {
     timeout -s INT "$(cap 120)" "${NCU:-ncu}" --clock-control none --profile-from-start off --section SpeedOfLight \
@@ -137,10 +144,11 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check direct packed tests host host_direct host_run layer_norm ln_bwd models attention kernels ncu grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check direct packed llama tests layer_norm attention kernels ncu host host_direct models ln_bwd host_run grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"
     "stage_$stage"
+    pack
 done
 echo "== done at ${SECONDS}s"
