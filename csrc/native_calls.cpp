@@ -21,6 +21,7 @@
 #include "triton_launch.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <atomic>
@@ -279,6 +280,13 @@ std::vector<c10::IValue> call_python(const c10::FunctionSchema& schema, c10::Arr
   return out;
 }
 
+std::optional<c10::Device> first_tensor_device(c10::ArrayRef<c10::IValue> args) {
+  for (const c10::IValue& arg : args) {
+    if (arg.isTensor()) return arg.toTensor().device();
+  }
+  return std::nullopt;
+}
+
 // The kernel: the recipe's call where there is one, else the Python kernel's.
 void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = handle.schema();
@@ -290,6 +298,9 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
     std::lock_guard<std::mutex> lock(reg.mutex);
     op = &reg.ops[schema.name()];
   }
+  // Triton launches on the current device (packed launches, and the Python kernel's): make it the
+  // call's, as ATen's CUDA kernels do, for a model spread over several GPUs.
+  const c10::OptionalDeviceGuard guard(first_tensor_device(args));
   const std::string signature = call_signature(args, op->seed_arg);
   std::shared_ptr<const Recipe> recipe;
   bool record = false;

@@ -339,3 +339,57 @@ def test_results_are_laid_out_as_torch_lays_out_attention_results(backend, layou
     dq, dk, dv, _, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, 0, False,
                              cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
     assert all(t.is_contiguous() for t in (out, dq, dk, dv))
+
+
+def test_triton_cuda_kernels_run_on_their_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: the CUDA kernels make it their first argument's
+    (as ATen's do) where it differs, and leave it alone where it is already."""
+    entered = []
+
+    class Device:  # torch.cuda.device's part used here
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    class OnDevice:  # a tensor's part used here
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    kernel = _device_kernels._on_device_of_first_tensor(lambda x, y: (x.index, y, list(entered)))
+    assert kernel(OnDevice(0), "y") == (0, "y", []) and entered == []
+    assert kernel(OnDevice(1), "y") == (1, "y", [1]) and entered == [1, None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_kernels_on_a_device_that_is_not_current():
+    """A model spread over GPUs: each op on cuda:1 while cuda:0 is current gives what it gives with
+    cuda:1 current."""
+    q, k, v = (torch.randn(2, 3, 70, 40, device="cuda:1", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    x = torch.randn(33, 96, device="cuda:1", requires_grad=True)
+    w = torch.randn(96, device="cuda:1")
+
+    def run():
+        outs = [tf.scaled_dot_product_attention(q, k, v, is_causal=True), tf.layer_norm(x, (96,), w, w),
+                tf.rms_norm(x, (96,), w), tf.linear_attention(q.float(), k.float(), v.float(), is_causal=True)]
+        grads = torch.autograd.grad(sum(o.float().square().sum() for o in outs), (q, k, v, x))
+        return [o.detach() for o in outs] + list(grads)
+
+    with torch.cuda.device(1):
+        expected = run()
+    with torch.cuda.device(0):
+        for _ in range(3):  # the first call, a recorded one, a replayed one
+            got = run()
+    torch.cuda.synchronize(1)
+    for a, b in zip(got, expected):
+        assert a.device == b.device and torch.equal(a, b)

@@ -146,6 +146,19 @@ def op_kernel(name: str, backend: str, device_type: str = "cpu"):
     return _CONTRACT[name](_backends.kernel(name, backend, device_type))
 
 
+def _on_device_of_first_tensor(kernel):
+    """``kernel`` run with the current CUDA device its first argument's: Triton launches on the
+    current device, and ATen's CUDA kernels set it from their arguments (a device guard), so a
+    model spread over several GPUs runs each layer's kernels on that layer's."""
+    def on_device(*args):
+        index = args[0].get_device()
+        if index == torch.cuda.current_device():
+            return kernel(*args)
+        with torch.cuda.device(index):
+            return kernel(*args)
+    return on_device
+
+
 _library = None
 
 
@@ -164,10 +177,11 @@ def register():
         backend = _backends.dispatcher_backend("cuda", family)
         if backend == "triton":
             for name in (f"{family}_forward", f"{family}_backward"):
+                kernel = _on_device_of_first_tensor(op_kernel(name, "triton", "cuda"))
                 if _native_calls_on() and name in _native_calls.OPS:
-                    native[name] = op_kernel(name, "triton", "cuda")
+                    native[name] = kernel
                 else:
-                    _library.impl(name, op_kernel(name, "triton", "cuda"), "CUDA")
+                    _library.impl(name, kernel, "CUDA")
         elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/attention_cuda.cu)
             _build.extension().register_cuda_kernels()
     if native:
