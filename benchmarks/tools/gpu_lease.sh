@@ -13,7 +13,8 @@
 #              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
 #   llama      the Llama-like decoder on the GPU (bf16 autocast): training steps and `generate`,
-#              progress and any traceback logged whole to $OUT/llama.log
+#              progress and any traceback logged whole to $OUT/llama.log (up to 300 s: each
+#              `generate` of 256 tokens takes seconds of host time, and a row runs it 14 times or more)
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
 #              LayerNorm grid is short and stays in), 14 workers
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
@@ -121,7 +122,7 @@ stage_models() {
         --repeats 10 --min-repeats 3 2>&1 | tail -12
 }
 stage_llama() {
-    timeout -s INT "$(cap 240)" python3 -X faulthandler -m benchmarks.run --out "$OUT/results" --no-plots \
+    timeout -s INT "$(cap 300)" python3 -X faulthandler -m benchmarks.run --out "$OUT/results" --no-plots \
         --only models --device cuda --model-families llama --budget 1 --repeats 10 --min-repeats 3 \
         >"$OUT/llama.log" 2>&1
     echo "llama exit $? at ${SECONDS}s"
