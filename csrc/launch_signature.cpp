@@ -28,15 +28,6 @@ namespace {
 
 char int_residue(unsigned long long value) { return static_cast<char>(value & 15); }
 
-}  // namespace
-
-namespace {
-
-template <typename T>
-void append_value(std::string& signature, T value) {
-  signature.append(reinterpret_cast<const char*>(&value), sizeof(T));
-}
-
 // Appends arg's fields; false for an argument of a type it does not cover.
 bool append_call_arg(std::string& signature, PyObject* obj) {
   if (obj == Py_None) {

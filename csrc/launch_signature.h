@@ -8,6 +8,12 @@
 
 namespace transformer_fast {
 
+// Appends a value's bytes to a signature.
+template <typename T>
+void append_value(std::string& signature, T value) {
+  signature.append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
 pybind11::object call_signature(const pybind11::tuple& args);
 // Appends a tensor's fields as call_signature writes them: 'T', dtype, device, sizes, strides,
 // address mod 16 (also csrc/native_calls.cpp's signature).

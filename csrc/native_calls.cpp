@@ -95,11 +95,6 @@ Registry& registry() {
   return *r;
 }
 
-template <typename T>
-void append_value(std::string& signature, T value) {
-  signature.append(reinterpret_cast<const char*>(&value), sizeof(T));
-}
-
 // Appends an argument's fields; false for one of a kind the signature does not cover.
 bool append_arg(std::string& signature, const c10::IValue& v, bool is_seed) {
   if (v.isNone()) {

@@ -177,11 +177,11 @@ def register():
         backend = _backends.dispatcher_backend("cuda", family)
         if backend == "triton":
             for name in (f"{family}_forward", f"{family}_backward"):
-                kernel = _on_device_of_first_tensor(op_kernel(name, "triton", "cuda"))
+                kernel = op_kernel(name, "triton", "cuda")
                 if _native_calls_on() and name in _native_calls.OPS:
-                    native[name] = kernel
+                    native[name] = kernel  # csrc/native_calls.cpp sets the device before it
                 else:
-                    _library.impl(name, kernel, "CUDA")
+                    _library.impl(name, _on_device_of_first_tensor(kernel), "CUDA")
         elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/attention_cuda.cu)
             _build.extension().register_cuda_kernels()
     if native:
