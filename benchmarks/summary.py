@@ -95,6 +95,15 @@ OTHER_RECORDS = {
     "cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt": "the LayerNorm backward's steps, warps and programs per SM timed "
                                                      "on an H100 against torch's backward (kernel time): the source "
                                                      "of the backward's tile table",
+    "cuda-h100-host-2026-11-27-1200.txt": "host time per call on an H100's machine, ours and torch's, with the "
+                                          "native calls' device guard (the defaults)",
+    "cuda-h100-gpu-tests-2026-11-27-1200.txt": "the `gpu`-marked tests on an H100 with the native calls' device guard "
+                                               "and the Llama and LayerNorm rows' checks",
+    "cuda-h100-attention-kernels-2026-11-27.txt": "device time per kernel of one attention forward+backward on an "
+                                                  "H100, ours against cuDNN attention, and Nsight Compute's summary "
+                                                  "of each kernel",
+    "cuda-h100-layer-norm-bwd-sweep-2026-11-27.txt": "the LayerNorm backward's tile choices timed again on an H100: "
+                                                     "why width 1024 takes 2 programs per SM",
     "cuda-h100-host-2026-11-27.txt": "host time per call on an H100's machine, ours and torch's, with packed launches "
                                      "and native calls and without them (TRANSFORMER_FAST_NATIVE_LAUNCH=0)",
     "cuda-h100-gpu-tests-2026-11-27.txt": "the `gpu`-marked tests on an H100 with packed launches and native calls: "
