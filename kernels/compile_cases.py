@@ -18,8 +18,11 @@ _TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def jit_function(kernel):
-    """The JITFunction under autotune/heuristics wrappers."""
-    while not isinstance(kernel, triton.runtime.JITFunction):
+    """The JITFunction under autotune/heuristics wrappers (its InterpretedFunction under the
+    interpreter, for tools' dry runs)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    while not isinstance(kernel, (triton.runtime.JITFunction, InterpretedFunction)):
         kernel = kernel.fn
     return kernel
 

@@ -534,3 +534,18 @@ def test_generated_block_replaces_only_its_own_lines():
     new = tables.replace_block(text, "| new |")
     assert new.startswith("intro\n" + tables.BEGIN) and new.endswith(tables.END + "\noutro\n")
     assert "old table" not in new and "| new |" in new
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_tile_sweep_launches_the_planned_forward(causal):
+    """benchmarks/tools/sweep_attention_tiles_gpu's forward launch (the bare kernel with an explicit
+    tile, as attention_forward plans it) gives the float64 result for tiles other than the table's;
+    it runs on lent GPUs with no time to find out there."""
+    from benchmarks.tools import sweep_attention_tiles_gpu as sweep
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 24, generator=g) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    for tile in [(16, 32, 4, 1), (32, 16, 4, 1)]:
+        (out,), _ = sweep._launch_fwd(tile, q, k, v, 24 ** -0.5, causal)
+        assert (out.double() - ref).abs().max().item() < 1e-5, tile

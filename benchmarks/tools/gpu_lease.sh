@@ -6,26 +6,29 @@
 #
 #   install    build the C++ extension (CUDA kernels for the GPU present, TORCH_CUDA_ARCH_LIST) in place
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
-#   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
-#              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
 #   packed     the packed-launch and native-call tests on the GPU (launches from C++,
 #              csrc/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
 #              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
+#   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
+#   fwd_tiles  the attention forward's candidate tiles timed alone, D = 64 and 128, causal and not
+#              (tools/sweep_attention_tiles_gpu --kernels fwd): its table was chosen by spills, not time
+#   tests      the gpu-marked tests without the attention and linear-attention full grids (the
+#              LayerNorm grid is short and stays in), 14 workers
+#   ln_bwd     the LayerNorm backward's tile choices and its partial sums' reduction tiles against its
+#              table (tools/sweep_layer_norm_bwd_gpu)
+#   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
 #   llama      the Llama-like decoder on the GPU (bf16 autocast): training steps and `generate`,
 #              progress and any traceback logged whole to $OUT/llama.log (up to 300 s: each
 #              `generate` of 256 tokens takes seconds of host time, and a row runs it 14 times or more)
-#   tests      the gpu-marked tests without the attention and linear-attention full grids (the
-#              LayerNorm grid is short and stays in), 14 workers
-#   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
-#   attention  target_gpu_attention, bf16, N = 4k and 16k, against torch's SDPA as it chooses
+#   models     the encoder-decoder and BERT on the GPU (bf16 autocast)
+#   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
 #   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
-#   host       host time per call, ours and torch's, tiny and sweep-sized (tools/profile_host_gpu)
+#   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
+#              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
 #   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches and
 #              native calls save
-#   models     the encoder-decoder and BERT on the GPU (bf16 autocast)
-#   ln_bwd     the LayerNorm backward's tile choices against its table (tools/sweep_layer_norm_bwd_gpu)
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
 #              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   grids      the full grids of the gpu tests, in what time is left
@@ -105,6 +108,12 @@ stage_host_run() {
 }
 stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_attention --dtype bfloat16 \
     --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; }
+stage_fwd_tiles() {
+    timeout -s INT "$(cap 150)" python3 -m benchmarks.tools.sweep_attention_tiles_gpu --kernels fwd --jobs 14 \
+        >"$OUT/fwd_tiles.log" 2>&1
+    echo "sweep_attention_tiles_gpu exit $?"
+    grep -E "^D=|failed" "$OUT/fwd_tiles.log"
+}
 stage_kernels() {
     timeout -s INT "$(cap 60)" python3 -m benchmarks.tools.profile_attention_gpu >"$OUT/kernels.log" 2>&1
     echo "profile_attention_gpu exit $?"
@@ -112,7 +121,7 @@ stage_kernels() {
 }
 stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; }
 stage_ln_bwd() {
-    timeout -s INT "$(cap 90)" python3 -m benchmarks.tools.sweep_layer_norm_bwd_gpu \
+    timeout -s INT "$(cap 120)" python3 -m benchmarks.tools.sweep_layer_norm_bwd_gpu \
         --out "$OUT/results/layer_norm_bwd_sweep.json" >"$OUT/ln_bwd.log" 2>&1
     echo "sweep_layer_norm_bwd_gpu exit $?"
     grep -E "^==|current" "$OUT/ln_bwd.log"
@@ -145,7 +154,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check direct packed llama tests layer_norm attention kernels ncu host host_direct models ln_bwd host_run grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check packed layer_norm fwd_tiles tests ln_bwd attention llama models host kernels ncu direct host_direct host_run grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"

@@ -1,14 +1,17 @@
-"""Tile sweep for the Triton attention backward kernels on one GPU.
+"""Tile sweep for the Triton attention kernels on one GPU.
 
     python -m benchmarks.tools.sweep_attention_tiles_gpu [--n 4096] [--head-dims 64 128] [--jobs 12]
+        [--kernels fwd dkdv dq]
 
-Times every candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV and the dQ kernel
-directly (no autotuner), for bf16, causal and not, B * N = 16k tokens, H * D = 2048, and prints
-each one's time, registers and spills, and its largest relative difference from the first
-candidate's dK/dV or dQ (a wrong tile shows up there). The candidates are compiled first in
+Times every candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, the dK/dV and the
+dQ kernel directly (no autotuner), for bf16, causal and not, B * N = 16k tokens, H * D = 2048, and
+prints each one's time, registers and spills, and its largest relative difference from the first
+candidate's output, dK/dV or dQ (a wrong tile shows up there). The candidates are compiled first in
 `--jobs` worker processes (Triton compiles one kernel at a time per process; the workers fill
 Triton's on-disk cache, the timing process then loads from it). The bf16/fp16 backward tile
-tables in kernels/attention_tiles.py were chosen from its output (docs/design.md, "Tiles").
+tables in kernels/attention_tiles.py were chosen from its output (docs/design.md, "Tiles"); the
+forward's candidates are its table's and larger tiles that the table leaves out for spills with
+masks (with no mask they may not spill).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import multiprocessing as mp
 
 import torch
 
+FWD_CANDIDATES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                  (128, 64, 8, 4), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3)]
 DKDV_CANDIDATES = [(64, 64, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3),
                    (64, 128, 8, 2), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
 DQ_CANDIDATES = [(64, 64, 8, 2), (32, 64, 8, 2), (128, 32, 8, 2), (128, 32, 4, 3), (128, 64, 8, 2),
@@ -34,6 +39,25 @@ def _inputs(B, H, N, D, dtype, causal, device="cuda"):
     return q, k, v, dout, lse, delta, scale
 
 
+def _launch_fwd(tile, q, k, v, scale, causal):
+    """One launch of the bare JIT forward kernel with an explicit tile, planned as
+    kernels/attention.py's attention_forward plans it; returns ((out,), compiled)."""
+    from transformer_fast.kernels import attention as ka
+    from transformer_fast.kernels.compile_cases import jit_function
+
+    plan = ka._forward_plan(q, k, v, None, None, causal, scale, 0.0, (-1, -1), 0.0, None, None, None, None, None,
+                            None, 0, 0, 0)
+    assert plan.splits == 1, "the sweep's shapes run the forward unsplit"
+    out, lse = torch.empty_like(q), torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    block_m, block_n, warps, stages = tile
+    kwargs = {**plan.forward.kwargs, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps,
+              "num_stages": stages}
+    tensors = (q, k, v, out, lse, q, q, q, q, q, q, q, q, out, lse)  # q stands in for what is absent
+    compiled = jit_function(ka.attention_fwd_kernel)[plan.forward.grid(kwargs)](*plan.forward.args(tensors, 0),
+                                                                               **kwargs)
+    return (out,), compiled
+
+
 def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     """One launch of the bare JIT kernel with an explicit tile; returns (result tensors, compiled)."""
     import triton
@@ -41,6 +65,8 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     from transformer_fast.kernels import attention as ka
     from transformer_fast.kernels.compile_cases import jit_function
 
+    if kernel_name == "fwd":
+        return _launch_fwd(tile, q, k, v, scale, causal)
     B, H, N, D = q.shape
     a = ka.backward_launch_args(dout, q, k, v, lse, None, None, causal, scale, 0.0, 0)
     block_m, block_n, warps, stages = tile
@@ -63,6 +89,9 @@ def _launch(kernel_name, tile, q, k, v, dout, lse, delta, scale, causal):
     return (dq,), compiled
 
 
+CANDIDATES = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
+
+
 def _compile_worker(jobs):
     for D, causal, kernel_name, tile in jobs:
         inputs = _inputs(1, 2, 256, D, torch.bfloat16, causal)
@@ -78,11 +107,12 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--jobs", type=int, default=12)
+    p.add_argument("--kernels", nargs="+", default=["dkdv", "dq"], choices=sorted(CANDIDATES))
     args = p.parse_args(argv)
     from triton.testing import do_bench
 
     plan = [(D, causal, name, tile) for D in args.head_dims for causal in (False, True)
-            for name, tiles in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)) for tile in tiles]
+            for name in args.kernels for tile in CANDIDATES[name]]
     ctx = mp.get_context("spawn")
     with ctx.Pool(args.jobs) as pool:
         pool.map(_compile_worker, [plan[i::args.jobs] for i in range(args.jobs)])
@@ -92,8 +122,8 @@ def main(argv=None):
         B, H = max(1, 16384 // N), max(1, 2048 // D)
         for causal in (False, True):
             inputs = _inputs(B, H, N, D, torch.bfloat16, causal)
-            for name, tiles in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
-                first = None
+            for name in args.kernels:
+                tiles, first = CANDIDATES[name], None
                 for tile in tiles:
                     try:
                         result, compiled = _launch(name, tile, *inputs, causal)

@@ -4,9 +4,11 @@
 
 The backward (kernels/layer_norm.py) gives each program a contiguous range of rows and sums its
 weight/bias gradient into one partial row; how many programs, how many elements each handles
-per step, and with how many warps decide how many loads are in flight. This sweeps those three
-over the sweep's device-bound shapes (bf16, with weight and bias) and prints each shape's choices
-by time, torch's native backward beside them. Kernel time only: each timed loop is queued behind
+per step, and with how many warps decide how many loads are in flight; one more kernel sums the
+partial rows' columns (its tile: SUMS_TILE). This sweeps those three, then the reduction's tile at
+the table's choice, over the sweep's shapes (bf16, with weight and bias; 4K-8K rows are the
+benchmark sweep's smallest) and prints each shape's choices by time, torch's native backward
+beside them. Kernel time only: each timed loop is queued behind
 a `torch.cuda._sleep`, so the GPU never waits for the host. Imports the kernels alone (no C++
 extension needed); runs in about a minute on an H100.
 """
@@ -23,10 +25,13 @@ import torch  # noqa: E402
 import kernels.layer_norm as ln  # noqa: E402
 from kernels._utils import sm_count  # noqa: E402
 
-SHAPES = [(16384, 1024), (65536, 1024), (262144, 1024), (16384, 4096), (8192, 8192)]
+SHAPES = [(4096, 1024), (8192, 1024), (16384, 1024), (65536, 1024), (262144, 1024), (16384, 4096), (8192, 8192)]
 STEP_ELEMENTS = [2048, 4096, 8192]
 WARPS = [4, 8, 16]
 PROGRAMS_PER_SM = [1, 2, 4, 8, 16]
+# The partial sums' reduction (ln.SUMS_TILE): columns per program, partial rows per step, warps.
+# Its programs are the width's column blocks, each summing every partial row in sequence.
+SUMS_TILES = [(64, 32, 4), (32, 64, 4), (16, 128, 4), (32, 128, 4), (16, 256, 8), (128, 16, 4), (64, 64, 8)]
 
 
 def device_ms(fn, reps=20, rounds=3):
@@ -105,11 +110,25 @@ def main():
                     ln._backward_plans.clear()
             label = "current" if step is None else f"step {step} warps {warps} programs {per_sm}xSM"
             rows.append({"choice": label, "ms": ms, "err": err})
+        saved_sums = ln.SUMS_TILE
+        for sums in SUMS_TILES:  # with the table's tiles
+            ln.SUMS_TILE = sums
+            ln._backward_plans.clear()
+            try:
+                call = lambda: ln.layer_norm_backward(dy, None, x, w, b, mean, rstd, 1e-5, False)  # noqa: E731
+                _, dw, db = call()
+                err = max((dw.float() - t_dw.float()).abs().max().item(),
+                          (db.float() - t_db.float()).abs().max().item()) / max(1.0, M ** 0.5)
+                ms = device_ms(call)
+            finally:
+                ln.SUMS_TILE = saved_sums
+                ln._backward_plans.clear()
+            rows.append({"choice": f"sums {sums[0]} cols x {sums[1]} rows, {sums[2]} warps", "ms": ms, "err": err})
         rows.sort(key=lambda r: r["ms"])
         gbytes = 3 * M * N * 2 / 1e6  # dy and h read, dx written; per ms: GB/s
         print(f"\n== {M} x {N} bf16: torch {torch_ms:.4f} ms ({gbytes / torch_ms:.0f} GB/s); "
               f"current tiles {plain}")
-        for r in rows[:8] + [r for r in rows[8:] if r["choice"] == "current"]:
+        for r in rows[:8] + [r for r in rows[8:] if r["choice"] == "current" or r["choice"].startswith("sums")]:
             print(f"  {r['choice']:<36} {r['ms']:.4f} ms  {gbytes / r['ms']:6.0f} GB/s  "
                   f"torch/ours {torch_ms / r['ms']:.2f}  err {r['err']:.2e}")
         results.append({"M": M, "N": N, "torch_ms": torch_ms, "choices": rows})
