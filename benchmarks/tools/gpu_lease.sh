@@ -11,6 +11,8 @@
 #              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
+#   attention_rows the sweep's attention rows on the GPU (N = 1k-16k, bf16, B=4 H=16 D=64): ours,
+#              softmax and linear, against torch's SDPA as it chooses and a PyTorch linear attention
 #   fwd_tiles  the attention forward's candidate tiles timed alone, D = 64 and 128, causal and not
 #              (tools/sweep_attention_tiles_gpu --kernels fwd): its table was chosen by spills, not time
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
@@ -108,6 +110,10 @@ stage_host_run() {
 }
 stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_attention --dtype bfloat16 \
     --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; }
+stage_attention_rows() {
+    timeout -s INT "$(cap 120)" "${BENCH[@]}" --device cuda --budget 0.5 --only attention:ours_softmax attention:torch_sdpa \
+        attention:ours_linear attention:torch_linear 2>&1 | grep -E "^\| |^wrote|Error|error" | head -40
+}
 stage_fwd_tiles() {
     timeout -s INT "$(cap 150)" python3 -m benchmarks.tools.sweep_attention_tiles_gpu --kernels fwd --jobs 14 \
         >"$OUT/fwd_tiles.log" 2>&1
@@ -154,7 +160,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check packed layer_norm fwd_tiles tests ln_bwd attention llama models host kernels ncu direct host_direct host_run grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check packed layer_norm attention_rows fwd_tiles tests ln_bwd attention llama models host kernels ncu direct host_direct host_run grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"
