@@ -257,6 +257,24 @@ def test_explicit_backend():
         _backends.explicit_backend("cpp", torch.device("cuda"), torch.float16, "layer_norm")
 
 
+@pytest.mark.skipif(not _backends.triton_interpreting(), reason="the Triton interpreter's limit (TRITON_INTERPRET=1)")
+def test_triton_interpreter_refuses_bfloat16_products():
+    """Triton's interpreter multiplies bfloat16 tl.dot operands as raw bits (results ~1e9 off):
+    attention and linear attention refuse bfloat16 there, with the reason; float16 and the
+    norms (no products) run."""
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="triton-lang/triton#11584"):
+        tf.scaled_dot_product_attention(q, q, q, backend="triton")
+    with pytest.raises(RuntimeError, match="raw bits of bfloat16"):
+        tf.linear_attention(q, q, q, backend="triton")
+    h = q.half()
+    expected = F.scaled_dot_product_attention(h.float(), h.float(), h.float())
+    assert (tf.scaled_dot_product_attention(h, h, h, backend="triton").float() - expected).abs().max() < 2e-3
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    expected = F.layer_norm(x.float(), (16,))
+    assert (tf.layer_norm(x, (16,), backend="triton").float() - expected).abs().max() < 3e-2
+
+
 def test_select_backend():
     cpu = torch.device("cpu")
     assert _backends.select_backend(cpu, torch.float64, "auto", "attention") == "reference"

@@ -47,6 +47,9 @@ def triton_interpreting() -> bool:
     return reason is None and module.interpreting()
 
 
+_FAMILIES_WITH_PRODUCTS = ("attention", "linear_attention")  # their Triton kernels use tl.dot
+
+
 def _cuda_families():
     module, _ = _build.load()
     return module.cuda_families() if module is not None else []
@@ -70,7 +73,13 @@ def unavailable_reason(backend: str, device: torch.device | None, dtype: torch.d
         if device is None:
             return None if (torch.cuda.is_available() or triton_interpreting()) else \
                 "no CUDA device, and TRITON_INTERPRET=1 is not set"
-        if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and triton_interpreting():
+            if dtype == torch.bfloat16 and family in _FAMILIES_WITH_PRODUCTS:
+                return ("Triton's interpreter multiplies the raw bits of bfloat16 tl.dot operands "
+                        "(triton-lang/triton#11584), so these kernels' bfloat16 results would be wrong "
+                        "under TRITON_INTERPRET=1; use float16 or float32 there, or backend='cpp'")
             return None
         return f"Triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
     _, reason = _build.load()
