@@ -186,8 +186,8 @@ LayerNormArgs layer_norm_args(const at::Tensor& input, c10::SymIntArrayRef norma
                       shape_str((*p)->sym_sizes()));
     check_same_device(pname, **p, "input", x);
     TORCH_CHECK_TYPE((*p)->scalar_type() == x.scalar_type() || (*p)->scalar_type() == at::kFloat, name, ": ", pname,
-                     " must have the input's dtype ", dtype_name(x.scalar_type()), " or torch.float32, got ",
-                     dtype_name((*p)->scalar_type()));
+                     " must have the input's dtype ", dtype_name(x.scalar_type()),
+                     x.scalar_type() == at::kFloat ? "" : " or torch.float32", ", got ", dtype_name((*p)->scalar_type()));
   }
   // rms_norm's default eps: the machine epsilon of the dtype it computes in, as torch's.
   const double eps = eps_in.has_value() ? *eps_in : machine_epsilon(x.scalar_type());

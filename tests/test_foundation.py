@@ -172,6 +172,15 @@ def test_sdpa_rejects_bad_masks_and_args():
             tf.scaled_dot_product_attention(qb, kb, vb, attn_mask=torch.zeros(5, 5, dtype=dtype))
     with pytest.raises(ValueError, match="dropout_p"):
         tf.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    for p in ("0.1", None):  # named, not pybind's list of signatures
+        with pytest.raises(TypeError, match=r"dropout_p must be a real scalar in \[0, 1\)"):
+            tf.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    with pytest.raises(TypeError, match="dropout_p must be"):
+        tf.varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                       torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 5, 5,
+                       dropout_p="0.1")
+    assert torch.equal(tf.scaled_dot_product_attention(q, k, v, dropout_p=0),  # an int 0, as torch takes it
+                       tf.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="enable_gqa"):
         tf.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
     with pytest.raises(ValueError, match="enable_gqa"):

@@ -431,8 +431,10 @@ def test_bad_inputs_raise_clear_errors():
         tf.layer_norm(x, (6,), weight=torch.ones(5))
     with pytest.raises(ValueError, match=r"bias must have shape"):
         tf.layer_norm(x, (6,), weight=torch.ones(6), bias=torch.ones(2, 3))
-    with pytest.raises(TypeError, match="weight must have the input's dtype"):
+    with pytest.raises(TypeError, match=r"weight must have the input's dtype torch.float32, got torch.float64"):
         tf.layer_norm(x, (6,), weight=torch.ones(6, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"input's dtype torch.float16 or torch.float32, got torch.float64"):
+        tf.layer_norm(x.half(), (6,), weight=torch.ones(6, dtype=torch.float64))
     y, h = tf.layer_norm(x, (6,), residual=x.double())  # the add promotes, as x + r does
     torch.testing.assert_close(h, x.double() * 2, atol=0, rtol=0)
     assert y.dtype == torch.float64

@@ -130,6 +130,13 @@ def _check_scale(scale):
     return _real("scale", scale)
 
 
+def _dropout_p(p):
+    """dropout_p as a float (its range is checked with the other arguments)."""
+    if not isinstance(p, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"dropout_p must be a real scalar in [0, 1), got {type(p).__name__}")
+    return _real("dropout_p", p)
+
+
 def _window(window_size, allow_none=True):
     """(left, right) as a tuple of two ints (-1 = unbounded), or None."""
     if window_size is None and allow_none:
@@ -174,6 +181,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         window_size = _window(window_size)
     if softcap is not None and type(softcap) is not float:
         softcap = _real("softcap", softcap)
+    if type(dropout_p) is not float:
+        dropout_p = _dropout_p(dropout_p)
     seed = _dropout_seed(dropout_p) if dropout_p else 0
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
@@ -232,6 +241,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)):
         raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
     return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
+    if type(dropout_p) is not float:
+        dropout_p = _dropout_p(dropout_p)
     seed = _dropout_seed(dropout_p) if dropout_p else 0
     check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
     transformed = _explicit.differentiable_forms_needed()
