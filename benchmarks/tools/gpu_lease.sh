@@ -11,8 +11,8 @@
 #              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
-#   attention_rows the sweep's attention rows on the GPU (N = 1k-16k, bf16, B=4 H=16 D=64): ours,
-#              softmax and linear, against torch's SDPA as it chooses and a PyTorch linear attention
+#   attention_rows the sweep's softmax attention rows on the GPU (N = 1k-16k, bf16, B=4 H=16 D=64):
+#              ours against torch's SDPA as it chooses
 #   fwd_tiles  the attention forward's candidate tiles timed alone, D = 64 and 128, causal and not
 #              (tools/sweep_attention_tiles_gpu --kernels fwd): its table was chosen by spills, not time
 #   tests      the gpu-marked tests without the attention and linear-attention full grids (the
@@ -112,7 +112,7 @@ stage_attention() { timeout -s INT "$(cap 150)" "${BENCH[@]}" --only target_gpu_
     --seq-lens 4096 16384 --gpu-rounds 3 2>&1 | tail -20; }
 stage_attention_rows() {
     timeout -s INT "$(cap 120)" "${BENCH[@]}" --device cuda --budget 0.5 --only attention:ours_softmax attention:torch_sdpa \
-        attention:ours_linear attention:torch_linear 2>&1 | grep -E "^\| |^wrote|Error|error" | head -40
+        2>&1 | grep -E "^\| |^wrote|Error|error" | head -40
 }
 stage_fwd_tiles() {
     timeout -s INT "$(cap 150)" python3 -m benchmarks.tools.sweep_attention_tiles_gpu --kernels fwd --jobs 14 \
