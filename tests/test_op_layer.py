@@ -257,7 +257,21 @@ def test_explicit_backend():
         _backends.explicit_backend("cpp", torch.device("cuda"), torch.float16, "layer_norm")
 
 
-@pytest.mark.skipif(not _backends.triton_interpreting(), reason="the Triton interpreter's limit (TRITON_INTERPRET=1)")
+def test_triton_backend_reason_for_bfloat16_products_under_the_interpreter(monkeypatch):
+    """The rule on any machine: under the interpreter (CPU tensors) bfloat16 attention and linear
+    attention are refused with the reason, float16 attention and bfloat16 norms are not; on CUDA
+    tensors nothing is."""
+    monkeypatch.setattr(_backends, "load_triton", lambda: (object(), None))
+    monkeypatch.setattr(_backends, "triton_interpreting", lambda: True)
+    cpu = torch.device("cpu")
+    for family in ("attention", "linear_attention"):
+        assert "triton-lang/triton#11584" in _backends.unavailable_reason("triton", cpu, torch.bfloat16, family)
+        assert _backends.unavailable_reason("triton", cpu, torch.float16, family) is None
+        assert _backends.unavailable_reason("triton", torch.device("cuda"), torch.bfloat16, family) is None
+    assert _backends.unavailable_reason("triton", cpu, torch.bfloat16, "layer_norm") is None
+
+
+@pytest.mark.skipif(not _backends.triton_interpreting(), reason="runs the Triton kernels under TRITON_INTERPRET=1")
 def test_triton_interpreter_refuses_bfloat16_products():
     """Triton's interpreter multiplies bfloat16 tl.dot operands as raw bits (results ~1e9 off):
     attention and linear attention refuse bfloat16 there, with the reason; float16 and the

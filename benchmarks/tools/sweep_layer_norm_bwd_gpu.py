@@ -13,6 +13,7 @@ a `torch.cuda._sleep`, so the GPU never waits for the host. Imports the kernels 
 extension needed); runs in about a minute on an H100.
 """
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -52,20 +53,33 @@ def device_ms(fn, reps=20, rounds=3):
     return statistics.median(times)
 
 
-def with_choice(step, warps, per_sm):
-    """Patch the backward's tile rule and program count; returns the previous ones."""
-    saved = ln.row_tiles, ln.backward_programs
-    plain = saved[0]
+def choice_patch(step, warps, per_sm):
+    """The module attributes that make the backward use this step, warps and programs per SM."""
+    plain = ln.row_tiles
 
     def row_tiles(N, backward=False):
         block_m, block_n, single, w = plain(N, backward)
         if backward and single:
             return max(1, step // block_n), block_n, True, warps
         return block_m, block_n, single, w
-    ln.row_tiles = row_tiles
-    ln.backward_programs = lambda block_n, single, device: per_sm * (sm_count(device) if device.type == "cuda" else 4)
-    ln._backward_plans.clear()  # plans made with the previous choice
-    return saved
+    return {"row_tiles": row_tiles,
+            "backward_programs": lambda block_n, single, device: per_sm * (sm_count(device) if device.type == "cuda"
+                                                                            else 4)}
+
+
+@contextlib.contextmanager
+def patched(attrs):
+    """kernels.layer_norm with `attrs` set (and its plans, made with the old ones, dropped)."""
+    saved = {name: getattr(ln, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(ln, name, value)
+    ln._backward_plans.clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ln, name, value)
+        ln._backward_plans.clear()
 
 
 def main():
@@ -91,39 +105,22 @@ def main():
         torch_ms = device_ms(lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [N], t_mean, t_rstd, w, b, mask))
         _, _, mean, rstd = ln.layer_norm_forward(x, None, w, b, 1e-5, False)
         plain = ln.row_tiles(N, backward=True)
+        choices = [("current", {})]
+        for step, warps, per_sm in itertools.product(STEP_ELEMENTS, WARPS, PROGRAMS_PER_SM):
+            if step >= N and plain[2]:  # one row per step is the least; looped rows take no step choice
+                choices.append((f"step {step} warps {warps} programs {per_sm}xSM", choice_patch(step, warps, per_sm)))
+        # the partial sums' reduction, with the table's tiles
+        choices += [(f"sums {c} cols x {r} rows, {w} warps", {"SUMS_TILE": (c, r, w)}) for c, r, w in SUMS_TILES]
         rows = []
-        choices = [(None, None, None)] + list(itertools.product(STEP_ELEMENTS, WARPS, PROGRAMS_PER_SM))
-        for step, warps, per_sm in choices:
-            if step is not None and (step < N or not plain[2]):
-                continue  # one row per step is the least; looped rows take no step choice
-            saved = with_choice(step, warps, per_sm) if step is not None else None
-            try:
+        for label, attrs in choices:
+            with patched(attrs):
                 call = lambda: ln.layer_norm_backward(dy, None, x, w, b, mean, rstd, 1e-5, False)  # noqa: E731
                 dx, dw, db = call()
                 err = max((dx.float() - t_dx.float()).abs().max().item(),
                           (dw.float() - t_dw.float()).abs().max().item() / max(1.0, M ** 0.5),
                           (db.float() - t_db.float()).abs().max().item() / max(1.0, M ** 0.5))
                 ms = device_ms(call)
-            finally:
-                if saved is not None:
-                    ln.row_tiles, ln.backward_programs = saved
-                    ln._backward_plans.clear()
-            label = "current" if step is None else f"step {step} warps {warps} programs {per_sm}xSM"
             rows.append({"choice": label, "ms": ms, "err": err})
-        saved_sums = ln.SUMS_TILE
-        for sums in SUMS_TILES:  # with the table's tiles
-            ln.SUMS_TILE = sums
-            ln._backward_plans.clear()
-            try:
-                call = lambda: ln.layer_norm_backward(dy, None, x, w, b, mean, rstd, 1e-5, False)  # noqa: E731
-                _, dw, db = call()
-                err = max((dw.float() - t_dw.float()).abs().max().item(),
-                          (db.float() - t_db.float()).abs().max().item()) / max(1.0, M ** 0.5)
-                ms = device_ms(call)
-            finally:
-                ln.SUMS_TILE = saved_sums
-                ln._backward_plans.clear()
-            rows.append({"choice": f"sums {sums[0]} cols x {sums[1]} rows, {sums[2]} warps", "ms": ms, "err": err})
         rows.sort(key=lambda r: r["ms"])
         gbytes = 3 * M * N * 2 / 1e6  # dy and h read, dx written; per ms: GB/s
         print(f"\n== {M} x {N} bf16: torch {torch_ms:.4f} ms ({gbytes / torch_ms:.0f} GB/s); "
