@@ -282,15 +282,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_en
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
     const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
-    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
+    const std::optional<at::Tensor>& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
     int64_t max_k, bool compute_delta);
 void register_cuda_kernels();

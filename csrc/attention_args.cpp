@@ -81,6 +81,14 @@ void check_index(const char* name, const at::Tensor& t, int64_t ndim, const at::
   check_same_device(name, t, "query", ref);
 }
 
+// The dropout seed of a public op's call: the one given, else one drawn from torch's default CPU
+// generator (so torch.manual_seed makes runs repeatable, and torch.compile traces the draw into its
+// graph); None without dropout.
+std::optional<at::Tensor> call_seed(double dropout_p, const std::optional<at::Tensor>& seed) {
+  if (dropout_p == 0.0 || seed.has_value()) return seed;
+  return at::randint(int64_t{1} << 62, {}, at::TensorOptions().dtype(at::kLong));
+}
+
 }  // namespace
 
 AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -155,13 +163,14 @@ AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, con
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                         bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                        const std::optional<at::Tensor>& key_padding_mask, int64_t seed,
+                                        const std::optional<at::Tensor>& key_padding_mask,
+                                        const std::optional<at::Tensor>& seed,
                                         at::OptionalIntArrayRef window_size, std::optional<double> softcap,
                                         const std::optional<at::Tensor>& alibi_slopes,
                                         const std::optional<at::Tensor>& sinks) {
   const AttentionArgs a = attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                          key_padding_mask, window_size, softcap, alibi_slopes, sinks);
-  const at::Tensor out = std::get<0>(call_attention_forward(a, is_causal, dropout_p, seed));
+  const at::Tensor out = std::get<0>(call_attention_forward(a, is_causal, dropout_p, call_seed(dropout_p, seed)));
   return a.unbatched ? out.squeeze(0) : out;
 }
 
@@ -245,11 +254,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_attn(
     std::optional<double> scale, at::IntArrayRef window_size, bool enable_gqa,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
     std::optional<int64_t> num_splits, std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p, int64_t seed) {
+    const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& seed) {
   const AttentionArgs a = varlen_args(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size,
                                       enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks,
                                       dropout_p);
-  auto [out, lse] = call_attention_forward(a, false, dropout_p, seed);
+  auto [out, lse] = call_attention_forward(a, false, dropout_p, call_seed(dropout_p, seed));
   return {out, return_lse ? lse : lse.new_empty({0})};
 }
 

@@ -72,7 +72,8 @@ static void check_dense_only(const AttentionExtras& x, const char* fn) {
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
     const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
@@ -80,14 +81,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
                                max_q, max_k, num_splits),
                    "attention_forward");
   return attention_forward_entry(c10::DeviceType::CUDA, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                                 dropout_p, seed, attention_fwd_cuda);
+                                 dropout_p, dropout_seed("attention_forward", seed, dropout_p),
+                                 attention_fwd_cuda);
 }
 
 // compute_delta serves the sinks' gradient, and these kernels take no sinks.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
+    const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
     int64_t max_k, bool compute_delta) {
@@ -97,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   TORCH_CHECK_NOT_IMPLEMENTED(!compute_delta, "attention_backward: the C++ CUDA kernels do not compute delta (it "
                               "serves attention sinks, which need the Triton kernels: install Triton)");
   auto [dq, dk, dv, dmask] = attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask,
-                                                      key_padding_mask, is_causal, scale, dropout_p, seed,
+                                                      key_padding_mask, is_causal, scale, dropout_p,
+                                                      dropout_seed("attention_backward", seed, dropout_p),
                                                       compute_dmask, attention_bwd_cuda);
   return {dq, dk, dv, dmask, at::Tensor()};
 }
@@ -107,7 +111,8 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
+    const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
     int64_t max_k, bool compute_delta) {

@@ -259,7 +259,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    int64_t seed, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
     const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {

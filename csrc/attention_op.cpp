@@ -12,11 +12,11 @@ namespace transformer_fast {
 using OptTensor = std::optional<at::Tensor>;
 using AttentionForwardSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool, double, double,
-    int64_t, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+    const OptTensor&, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
     const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t);
 using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const OptTensor&, const OptTensor&, bool, double, double, int64_t, bool, at::IntArrayRef, double,
+    const OptTensor&, const OptTensor&, bool, double, double, const OptTensor&, bool, at::IntArrayRef, double,
     const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool);
 using AttentionBackwardCompositeSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
@@ -89,13 +89,14 @@ struct AttentionBackward : public torch::autograd::Node {
       cu_seq_q_, cu_seq_k_;
   bool is_causal = false;
   double scale = 1.0, dropout_p = 0.0, softcap = 0.0;
-  int64_t seed = 0, max_q = 0, max_k = 0;
+  OptTensor seed;  // a CPU scalar (op_utils.h, dropout_seed), None without dropout
+  int64_t max_q = 0, max_k = 0;
   std::array<int64_t, 2> window{-1, -1};
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& attn_mask,
-    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
     at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
     int64_t max_q, int64_t max_k, int64_t num_splits) {
@@ -143,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
 template <c10::DeviceType device>
 std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& attn_mask,
-    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, int64_t seed,
+    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
     at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
     int64_t max_q, int64_t max_k, int64_t num_splits) {
@@ -159,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autocast(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window, double softcap,
+    double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
     int64_t max_k, bool compute_delta) {
   const auto no_autocast = autocast_off();
@@ -174,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window, double softcap,
+    double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
     int64_t max_k, bool compute_delta) {
   TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask),
@@ -189,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
-                                                          int64_t seed) {
+                                                          const OptTensor& seed) {
   const AttentionExtras& x = a.x;
   const std::array<int64_t, 2> window{x.window_left, x.window_right};
   return attention_forward_op().call(a.q, a.k, a.v, a.attn_mask, a.key_padding_mask, is_causal, a.scale, dropout_p,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "attention.h"
+#include "op_utils.h"
 #include "ops.h"
 
 #include <ATen/ops/full.h>
@@ -193,8 +194,9 @@ inline void set_packed(const char* fn, CpuProblem& cp, const AttentionExtras& x)
 inline CpuProblem cpu_problem(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& attn_mask,
                               const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
-                              double dropout_p, int64_t seed, const AttentionExtras& x) {
+                              double dropout_p, const std::optional<at::Tensor>& seed, const AttentionExtras& x) {
   namespace d = sequences_detail;
+  const int64_t seed_value = dropout_seed(fn, seed, dropout_p);
   CpuProblem cp;
   if (!x.packed()) {
     TORCH_CHECK_VALUE(!x.cu_seq_k.has_value() && !x.seqused_k.has_value() && !x.block_table.has_value(), fn,
@@ -204,7 +206,7 @@ inline CpuProblem cpu_problem(const char* fn, const at::Tensor& q, const at::Ten
     cp.k = unit_last_stride(k);
     cp.v = unit_last_stride(v);
     cp.pad = padding_mask_contiguous(key_padding_mask);
-    cp.p = make_problem(cp.q, cp.k, cp.v, attn_mask, cp.pad, is_causal, scale, dropout_p, seed);
+    cp.p = make_problem(cp.q, cp.k, cp.v, attn_mask, cp.pad, is_causal, scale, dropout_p, seed_value);
     d::set_score_extras(fn, cp, x);
     return cp;
   }
@@ -221,7 +223,7 @@ inline CpuProblem cpu_problem(const char* fn, const at::Tensor& q, const at::Ten
   cp.v = unit_last_stride(v);
   cp.p.causal = false;
   cp.p.scale = static_cast<float>(scale);
-  cp.p.dropout = make_dropout(dropout_p, seed);
+  cp.p.dropout = make_dropout(dropout_p, seed_value);
   d::set_packed(fn, cp, x);
   d::set_score_extras(fn, cp, x);
   return cp;

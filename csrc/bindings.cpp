@@ -11,6 +11,7 @@
 //   * `direct`, the check that lets a Python function take the first path.
 #include "launch_signature.h"
 #include "native_calls.h"
+#include "op_utils.h"
 #include "ops.h"
 #include "triton_launch.h"
 
@@ -164,7 +165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scaled_dot_product_attention",
         [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
            const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-           bool enable_gqa, const std::optional<at::Tensor>& key_padding_mask, int64_t seed,
+           bool enable_gqa, const std::optional<at::Tensor>& key_padding_mask, const std::optional<at::Tensor>& seed,
            const std::optional<std::vector<int64_t>>& window_size, std::optional<double> softcap,
            const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
           return tf::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -178,7 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
                           std::optional<int64_t> num_splits, std::optional<double> softcap,
                           const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-                          double dropout_p, int64_t seed) {
+                          double dropout_p, const std::optional<at::Tensor>& seed) {
     return tf::varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, window_size,
                            enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p,
                            seed);
@@ -189,6 +190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return tf::layer_norm(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual, is_rms);
   });
   m.def("linear_attention", &tf::linear_attention);
+  // The attention ops' dropout seed as an int (their checks and messages), for the Python kernels.
+  m.def("dropout_seed", &tf::dropout_seed, py::arg("fn"), py::arg("seed"), py::arg("dropout_p"));
 
   // (q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras): extras is a dict of the kernel
   // ops' arguments beyond the dense masks, by their schema names.

@@ -95,9 +95,25 @@ Registry& registry() {
   return *r;
 }
 
+// A dropout seed argument's value (op_utils.h, dropout_seed): 0 for None, nothing for a tensor
+// that is not a one-element int64 CPU tensor.
+std::optional<int64_t> seed_value(const c10::IValue& v) {
+  if (!v.isTensor()) return 0;
+  const at::Tensor& t = v.toTensor();
+  if (t.scalar_type() != at::kLong || !t.device().is_cpu() || t.numel() != 1) return std::nullopt;
+  return *t.const_data_ptr<int64_t>();
+}
+
 // Appends an argument's fields; false for one of a kind the signature does not cover.
 bool append_arg(std::string& signature, const c10::IValue& v, bool is_seed) {
-  if (v.isNone()) {
+  if (is_seed && v.isTensor()) {  // what Triton specialises on of its value (kernels/_launch.seed_class)
+    const std::optional<int64_t> value = seed_value(v);
+    if (!value.has_value()) return false;  // not a seed: the Python kernel says why
+    signature += 'S';
+    signature += static_cast<char>((*value == 1) | ((*value % 16 == 0) << 1) |
+                                   ((*value >= std::numeric_limits<int32_t>::min() &&
+                                     *value <= std::numeric_limits<int32_t>::max()) << 2));
+  } else if (v.isNone()) {
     signature += 'N';
   } else if (v.isTensor()) {
     const at::Tensor& t = v.toTensor();
@@ -106,16 +122,8 @@ bool append_arg(std::string& signature, const c10::IValue& v, bool is_seed) {
   } else if (v.isBool()) {
     signature += v.toBool() ? 'Y' : 'B';
   } else if (v.isInt()) {
-    const int64_t value = v.toInt();
-    if (is_seed) {  // what Triton specialises on of it (kernels/_launch.seed_class)
-      signature += 'S';
-      signature += static_cast<char>((value == 1) | ((value % 16 == 0) << 1) |
-                                     ((value >= std::numeric_limits<int32_t>::min() &&
-                                       value <= std::numeric_limits<int32_t>::max()) << 2));
-    } else {
-      signature += 'I';
-      append_value(signature, value);
-    }
+    signature += 'I';
+    append_value(signature, v.toInt());
   } else if (v.isDouble()) {
     signature += 'F';
     append_value(signature, v.toDouble());
@@ -309,7 +317,7 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
       record = !op->seen.insert(signature).second;  // seen before: record this call
     }
   }
-  const int64_t seed = op->seed_arg >= 0 ? args[op->seed_arg].toInt() : 0;
+  const int64_t seed = op->seed_arg >= 0 ? seed_value(args[op->seed_arg]).value_or(0) : 0;
   std::vector<c10::IValue> results;
   std::optional<std::vector<at::Tensor>> ran;
   if (recipe != nullptr) ran = run_recipe(*recipe, args, seed, reg.poison);
@@ -327,8 +335,9 @@ void native_call(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::
 
 void bind_native_calls(py::module& m) {
   // Makes the ops `names` ("namespace::name") native calls, their misses answered by
-  // `python_call(name, args, record, seed)` (seed: the "seed" argument's value, else 0), registered as their kernels for `dispatch_key` (CUDA; the
-  // tests and tools register twin ops' CPU kernels, there being no CUDA there).
+  // `python_call(name, args, record, seed)` (seed: the "seed" argument's value, else 0), registered
+  // as their kernels for `dispatch_key` (CUDA; the tests and tools register twin ops' CPU kernels,
+  // there being no CUDA there).
   m.def("native_calls_setup", [](const std::vector<std::string>& names, py::object python_call, bool poison,
                                  const std::string& dispatch_key) {
     Registry& reg = registry();

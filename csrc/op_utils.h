@@ -75,6 +75,22 @@ inline void check_head_dim(const char* name, const c10::SymInt& size) {
                     ", got ", size);
 }
 
+// A dropout seed as the attention ops take it: a one-element int64 CPU tensor, or None without
+// dropout. A tensor, so that torch.compile keeps the public ops' draw from torch's generator in its
+// graph (an int would need .item(), a graph break); on the CPU, so reading it never waits for a device.
+inline int64_t dropout_seed(const char* fn, const std::optional<at::Tensor>& seed, double dropout_p) {
+  if (!seed.has_value() || !seed->defined()) {
+    TORCH_CHECK_VALUE(dropout_p == 0.0, fn, ": dropout_p = ", dropout_p, " needs a seed (a one-element int64 "
+                      "CPU tensor), got None");
+    return 0;
+  }
+  TORCH_CHECK_TYPE(seed->scalar_type() == at::kLong, fn, ": seed must be an int64 tensor, got dtype ",
+                   dtype_name(seed->scalar_type()));
+  TORCH_CHECK_VALUE(seed->device().is_cpu() && seed->numel() == 1, fn, ": seed must be a one-element CPU tensor, "
+                    "got shape ", shape_str(seed->sym_sizes()), " on ", seed->device());
+  return *seed->const_data_ptr<int64_t>();
+}
+
 // (B, Nk) bool, True = padded key; returned as given.
 inline void check_key_padding_mask(const std::optional<at::Tensor>& mask, const c10::SymInt& B,
                                    const c10::SymInt& Nk, const at::Tensor& ref) {

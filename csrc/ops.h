@@ -20,8 +20,8 @@ namespace transformer_fast {
 std::tuple<at::Tensor, at::Tensor> attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    bool is_causal, double scale, double dropout_p, const std::optional<at::Tensor>& seed, at::IntArrayRef window,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table, int64_t max_q,
     int64_t max_k, int64_t num_splits);
@@ -33,8 +33,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, int64_t seed, bool compute_dmask, at::IntArrayRef window,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& cu_seq_q,
+    bool is_causal, double scale, double dropout_p, const std::optional<at::Tensor>& seed, bool compute_dmask,
+    at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta);
 
 // ---- LayerNorm / RMSNorm (layer_norm.cpp); absent optional results are undefined tensors (None) ----
@@ -85,7 +86,8 @@ AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, con
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                         const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                         bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                        const std::optional<at::Tensor>& key_padding_mask, int64_t seed,
+                                        const std::optional<at::Tensor>& key_padding_mask,
+                                        const std::optional<at::Tensor>& seed,
                                         at::OptionalIntArrayRef window_size, std::optional<double> softcap,
                                         const std::optional<at::Tensor>& alibi_slopes,
                                         const std::optional<at::Tensor>& sinks);
@@ -102,10 +104,10 @@ std::tuple<at::Tensor, at::Tensor> varlen_attn(
     std::optional<double> scale, at::IntArrayRef window_size, bool enable_gqa,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
     std::optional<int64_t> num_splits, std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, double dropout_p, int64_t seed);
+    const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& seed);
 // The attention_forward op on checked arguments (through the dispatcher: autograd, autocast, device).
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
-                                                          int64_t seed);
+                                                          const std::optional<at::Tensor>& seed);
 
 // x and residual with the normalised dims as one last dim (unit stride); weight and bias flattened
 // to (width,); rows_empty when the rows have no elements (then only x, residual and the result

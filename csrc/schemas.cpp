@@ -6,17 +6,18 @@
 
 TORCH_LIBRARY(transformer_fast, m) {
   // Public ops (CompositeImplicitAutograd): argument checks once, then the kernel ops. The
-  // Python functions of the same names call these, with Python's conveniences (a dropout seed
-  // drawn from torch's generator, scale given as any real scalar).
+  // Python functions of the same names call these, with Python's conveniences (scale given as any
+  // real scalar). With dropout and no seed they draw one from torch's generator (op_utils.h,
+  // dropout_seed, says why a seed is a tensor).
   m.def("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
         "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-        "Tensor? key_padding_mask=None, int seed=0, int[]? window_size=None, float? softcap=None, "
+        "Tensor? key_padding_mask=None, Tensor? seed=None, int[]? window_size=None, float? softcap=None, "
         "Tensor? alibi_slopes=None, Tensor? sinks=None) -> Tensor");
   // Packed variable-length sequences: (out, lse); lse is empty unless return_lse.
   m.def("varlen_attn(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, int max_q, "
         "int max_k, bool return_lse=False, float? scale=None, int[] window_size=[-1, -1], "
         "bool enable_gqa=False, Tensor? seqused_k=None, Tensor? block_table=None, int? num_splits=None, "
-        "float? softcap=None, Tensor? alibi_slopes=None, Tensor? sinks=None, float dropout_p=0.0, int seed=0) "
+        "float? softcap=None, Tensor? alibi_slopes=None, Tensor? sinks=None, float dropout_p=0.0, Tensor? seed=None) "
         "-> (Tensor, Tensor)");
   // (y, h): h = input + residual, or an empty tensor without a residual.
   m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
@@ -29,12 +30,12 @@ TORCH_LIBRARY(transformer_fast, m) {
   // Kernel ops: the contract of each is in transformer_fast/<family>.py. Results a call does not
   // produce are empty tensors (an op cannot return None).
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_padding_mask, "
-        "bool is_causal, float scale, float dropout_p, int seed, int[] window=[-1, -1], float softcap=0.0, "
+        "bool is_causal, float scale, float dropout_p, Tensor? seed, int[] window=[-1, -1], float softcap=0.0, "
         "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
         "Tensor? seqused_k=None, Tensor? block_table=None, int max_q=0, int max_k=0, int num_splits=0) "
         "-> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, int seed, "
+        "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, Tensor? seed, "
         "bool compute_dmask, int[] window=[-1, -1], float softcap=0.0, Tensor? alibi_slopes=None, "
         "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, int max_q=0, int max_k=0, bool compute_delta=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");

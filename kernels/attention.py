@@ -242,7 +242,7 @@ _forward_plans = Plans(_forward_plan)
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
                       block_table=None, max_q=0, max_k=0, num_splits=0):
-    seed = int(seed)
+    seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
     plan = _forward_plans.get((q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap,
                                alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
                                num_splits), seed_class(seed))
@@ -354,7 +354,7 @@ _backward_plans = Plans(_backward_plan)
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0, compute_delta=False):
-    seed = int(seed)
+    seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
     plan = _backward_plans.get((dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                                 compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
                                 compute_delta), seed_class(seed))

@@ -241,12 +241,17 @@ def check_gpu_grid(backend, D, dtype, is_causal):
                                  f": {exc}") from exc
 
 
+def seed_tensor(seed):
+    """A dropout seed as the kernel ops take it (a one-element int64 CPU tensor) from an int."""
+    return torch.tensor(seed, dtype=torch.int64) if isinstance(seed, int) else seed
+
+
 def kernel_attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
     """The attention_forward op of ``backend`` (its kernel with the op's contract), called directly."""
     from transformer_fast._device_kernels import op_kernel
 
     return op_kernel("attention_forward", backend, q.device.type)(q, k, v, attn_mask, key_padding_mask, is_causal,
-                                                                  scale, dropout_p, seed)
+                                                                  scale, dropout_p, seed_tensor(seed))
 
 
 def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
@@ -257,7 +262,7 @@ def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_ma
 
     return op_kernel("attention_backward", backend, q.device.type)(dout, q, k, v, out, lse, attn_mask,
                                                                    key_padding_mask, is_causal, scale, dropout_p,
-                                                                   seed, compute_dmask)
+                                                                   seed_tensor(seed), compute_dmask)
 
 
 def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
@@ -265,7 +270,8 @@ def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, sc
     formula (the path ``backend=`` takes)."""
     from transformer_fast import _explicit
 
-    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed)[0]
+    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                               seed_tensor(seed))[0]
 
 
 def record_launches(monkeypatch):

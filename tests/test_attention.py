@@ -305,7 +305,7 @@ def test_log_sum_exp(backend):
     q, k, v = make_qkv(B, H, Nq, Nk, D)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
     mask = random_attn_mask((Nq, Nk), "bool").expand(B, H, Nq, Nk)
-    out, lse = _backends.kernel("attention_forward", backend)(q, k, v, mask, pad, True, 0.2, 0.0, 0)
+    out, lse = _backends.kernel("attention_forward", backend)(q, k, v, mask, pad, True, 0.2, 0.0, None)
     bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad,
                                     is_causal=True, dtype=torch.float64)
     expected = torch.logsumexp(q.double() @ k.double().transpose(-2, -1) * 0.2 + bias, dim=-1)
@@ -447,13 +447,13 @@ def test_opcheck_cpp(dtype):
     pad = random_key_padding(B, Nk)
     mask = random_attn_mask((1, H, Nq, Nk), "bool").expand(B, H, Nq, Nk)
     ops = torch.ops.transformer_fast
-    torch.library.opcheck(ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0))
-    torch.library.opcheck(ops.attention_forward, (q, k, v, None, None, False, 0.25, 0.2, 7))
-    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.0, 0)
+    torch.library.opcheck(ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, None))
+    torch.library.opcheck(ops.attention_forward, (q, k, v, None, None, False, 0.25, 0.2, torch.tensor(7)))
+    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.0, None)
     dout = torch.randn_like(out)
     torch.library.opcheck(ops.attention_backward,
                           (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, pad, True, 0.3,
-                           0.0, 0, False))
+                           0.0, None, False))
 
 
 def test_float16_cpp():
@@ -542,7 +542,7 @@ class _CppAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, pad, scale):
-        out, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, 0)
+        out, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, None)
         ctx.save_for_backward(q, k, v, mask, pad, out, lse)
         ctx.scale = scale
         return out
@@ -551,7 +551,7 @@ class _CppAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, pad, out, lse = ctx.saved_tensors
         dq, dk, dv, dmask, _ = _build.extension().attention_backward(
-            dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, 0, ctx.needs_input_grad[3])
+            dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, None, ctx.needs_input_grad[3])
         return dq, dk, dv, dmask, None, None
 
 
@@ -565,12 +565,13 @@ def test_cpp_entry_points_empty_problems(B, H, Hk, Nq, Nk, dtype):
     C = _build.extension()
     q, k, v = make_qkv(B, H, Nq, Nk, 16, 24, Hk=Hk, dtype=dtype, layout="bnhd")
     mask, pad = torch.randn(B, H, Nq, Nk, dtype=dtype), torch.zeros(B, Nk, dtype=torch.bool)
-    out, lse = C.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, 0)
+    seed = torch.tensor(0)
+    out, lse = C.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, seed)
     assert out.shape == (B, H, Nq, 24) and out.dtype == dtype and (out == 0).all()
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and (lse == float("inf")).all()
     for compute_dmask in (False, True):
         *grads, dmask, delta = C.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25,
-                                                    0.1, 0, compute_dmask, compute_delta=compute_dmask)
+                                                    0.1, seed, compute_dmask, compute_delta=compute_dmask)
         for grad, t in zip(grads, (q, k, v)):
             assert grad.shape == t.shape and grad.dtype == dtype and (grad == 0).all()
             assert grad.stride() == result_strides(t, t.shape[-1])
@@ -597,7 +598,7 @@ def test_cpp_entry_points_head_dim_0(D, Dv, dtype):
         lambda q, k, v, mask: _CppAttention.apply(q, k, v, mask, pad, scale),
         lambda q, k, v, mask: reference.scaled_dot_product_attention(q, k, v, mask, True, scale, key_padding_mask=pad),
         (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what=f"D={D}, Dv={Dv}")
-    _, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, 0)
+    _, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, None)
     bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad, is_causal=True,
                                     dtype=torch.float64)
     expected = torch.logsumexp(bias, dim=-1) if D == 0 else torch.logsumexp(
@@ -619,12 +620,12 @@ def test_cpp_entry_points_reject_inconsistent_shapes():
                         ((q, k, v[:, :, :6]), r"v must have shape \[2, 2, 7, 8\], got \[2, 2, 6, 8\]"),
                         ((q, k[:, :1], v[:, :1]), None), ((q[:, :3], k, v), r"key heads \(2\) must divide")]:
         if match is None:  # one key head serves all four query heads
-            C.attention_forward(*args, None, None, False, 0.25, 0.0, 0)
+            C.attention_forward(*args, None, None, False, 0.25, 0.0, None)
             continue
         with pytest.raises(ValueError, match=match):
-            C.attention_forward(*args, None, None, False, 0.25, 0.0, 0)
-    out, lse = C.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0)
+            C.attention_forward(*args, None, None, False, 0.25, 0.0, None)
+    out, lse = C.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None)
     for dout, o, l, match in [(out[:, :, :4], out, lse, "dout must have shape"), (out, out[..., :4], lse, "out must"),
                               (out, out, lse[:1], r"lse must have shape \[2, 4, 5\]")]:
         with pytest.raises(ValueError, match=match):
-            C.attention_backward(dout, q, k, v, o, l, None, None, False, 0.25, 0.0, 0, False)
+            C.attention_backward(dout, q, k, v, o, l, None, None, False, 0.25, 0.0, None, False)

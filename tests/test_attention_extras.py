@@ -155,9 +155,9 @@ def test_backward_delta_is_the_rows_sum_of_p_dp(backend, packed):
                       for n in (lengths_q, lengths_k))
         shape = (window, softcap, None)
         seqs = dict(cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max(lengths_q), max_k=max(lengths_k))
-        out, lse = forward(q, k, v, None, None, False, scale, 0.0, 0, *shape, sinks, **seqs)
+        out, lse = forward(q, k, v, None, None, False, scale, 0.0, None, *shape, sinks, **seqs)
         dout = torch.randn_like(out)
-        *_, delta = backward(dout, q, k, v, out, lse, None, None, False, scale, 0.0, 0, False, *shape, **seqs,
+        *_, delta = backward(dout, q, k, v, out, lse, None, None, False, scale, 0.0, None, False, *shape, **seqs,
                              compute_delta=True)
         expected, magnitude = (torch.zeros(H, q.shape[0], dtype=torch.float64, device=device) for _ in range(2))
         for b in range(len(lengths_q)):
@@ -169,9 +169,9 @@ def test_backward_delta_is_the_rows_sum_of_p_dp(backend, packed):
     else:
         q, k, v = make_qkv(2, H, 17, 40, D, Hk=Hk, dtype=dtype, device=device)
         pad = random_key_padding(2, 40, device=device)
-        out, lse = forward(q, k, v, None, pad, False, scale, 0.0, 0, window, softcap, None, sinks)
+        out, lse = forward(q, k, v, None, pad, False, scale, 0.0, None, window, softcap, None, sinks)
         dout = torch.randn_like(out)
-        *_, delta = backward(dout, q, k, v, out, lse, None, pad, False, scale, 0.0, 0, False, window, softcap,
+        *_, delta = backward(dout, q, k, v, out, lse, None, pad, False, scale, 0.0, None, False, window, softcap,
                              compute_delta=True)
         expected, magnitude, _ = _rows_p_dp(q, k, v, dout, sinks, scale, softcap, key_padding_mask=pad,
                                             window=window)

@@ -240,11 +240,12 @@ def test_opcheck_backward_with_dmask():
     mask = random_attn_mask((H, Nq, Nk), "float").expand(B, H, Nq, Nk)
     pad = random_key_padding(B, Nk)
     ops = torch.ops.transformer_fast
-    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.2, 7)
+    seed = torch.tensor(7)
+    out, lse = ops.attention_forward(q, k, v, mask, pad, True, 0.3, 0.2, seed)
     dout = torch.randn_like(out)
     for compute_dmask in (True, False):
         torch.library.opcheck(ops.attention_backward,
-                              (dout, q, k, v, out, lse, mask, pad, True, 0.3, 0.2, 7, compute_dmask))
+                              (dout, q, k, v, out, lse, mask, pad, True, 0.3, 0.2, seed, compute_dmask))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def triton_forward(q, k, v, **kwargs):
     from transformer_fast._device_kernels import op_kernel
 
     args = dict(attn_mask=None, key_padding_mask=None, is_causal=False, scale=q.shape[-1] ** -0.5, dropout_p=0.0,
-                seed=0)
+                seed=None)
     args.update(kwargs)
     return op_kernel("attention_forward", "triton", q.device.type)(
         q, k, v, args.pop("attn_mask"), args.pop("key_padding_mask"), args.pop("is_causal"), args.pop("scale"),
@@ -107,7 +107,7 @@ def triton_backward(dout, q, k, v, out, lse, **kwargs):
     from transformer_fast._device_kernels import op_kernel
 
     args = dict(attn_mask=None, key_padding_mask=None, is_causal=False, scale=q.shape[-1] ** -0.5, dropout_p=0.0,
-                seed=0, compute_dmask=False)
+                seed=None, compute_dmask=False)
     args.update(kwargs)
     return op_kernel("attention_backward", "triton", q.device.type)(
         dout, q, k, v, out, lse, args.pop("attn_mask"), args.pop("key_padding_mask"), args.pop("is_causal"),
@@ -277,7 +277,7 @@ def test_dropout_in_packed_mode_forward_and_backward_agree():
     """The keep mask, read off the forward with v = identity (out = P keep / (1 - p)), gives the
     reference's output and gradients; it is a function of (seed, the row's lse index, key)."""
     lq, lk = [5, 17, 1], [12, 20, 3]
-    H, D, p, seed = 2, 16, 0.3, 77 + 2**40
+    H, D, p, seed = 2, 16, 0.3, torch.tensor(77 + 2**40)
     q, k, v, cu_q, cu_k = make_packed(lq, lk, H, D, device=_device())
     max_q, max_k = max(lq), max(lk)
     extras = dict(cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k)

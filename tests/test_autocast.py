@@ -95,7 +95,7 @@ def test_the_ops_have_autocast_kernels():
     public functions do and run their kernels with autocast off."""
     q = torch.randn(1, 2, 5, 8)
     with cpu_autocast():
-        out, lse = torch.ops.transformer_fast.attention_forward(q, q, q.to(BF16), None, None, False, 0.3, 0.0, 0)
+        out, lse = torch.ops.transformer_fast.attention_forward(q, q, q.to(BF16), None, None, False, 0.3, 0.0, None)
         y, h, _, _ = torch.ops.transformer_fast.layer_norm_forward(q.view(-1, 8), None, None, None, 1e-5, False)
     assert out.dtype == BF16 and lse.dtype == torch.float32
     expected = reference.scaled_dot_product_attention(*(q.to(BF16).double() for _ in range(3)), scale=0.3)

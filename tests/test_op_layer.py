@@ -33,7 +33,7 @@ def _attention_inputs(grad=True):
 
 def _op_cases():
     (q, k, v), pad, mask = _attention_inputs()
-    out, lse = ops.attention_forward(q.detach(), k.detach(), v.detach(), mask, pad, True, 0.3, 0.0, 0)
+    out, lse = ops.attention_forward(q.detach(), k.detach(), v.detach(), mask, pad, True, 0.3, 0.0, None)
     x, r = torch.randn(6, 16, requires_grad=True), torch.randn(6, 16, requires_grad=True)
     w, b = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
     _, h, mean, rstd = ops.layer_norm_forward(x.detach(), r.detach(), w.detach(), b.detach(), 1e-5, False)
@@ -44,41 +44,46 @@ def _op_cases():
     dout = torch.randn(2, 4, 5, 8)
     slopes, sinks = torch.rand(2, 4), torch.randn(4, requires_grad=True)
     extras = ([3, 1], 2.0, slopes)
-    out_x, lse_x = ops.attention_forward(qs, ks, vs, None, pad, False, 0.3, 0.0, 0, *extras, sinks.detach())
+    out_x, lse_x = ops.attention_forward(qs, ks, vs, None, pad, False, 0.3, 0.0, None, *extras, sinks.detach())
     cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 2, 6, 10], dtype=torch.int32)
     pq, pk, pv = torch.randn(8, 4, 8, requires_grad=True), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
     # q, k, v as most models make them: a (B, N, H * D) projection viewed as heads and transposed
     # (the results are laid out the same way: transformer_fast/_layout.py)
     tq, tk, tv = (torch.randn(2, 5, h, 8).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
-    t_out, t_lse = ops.attention_forward(tq.detach(), tk.detach(), tv.detach(), None, pad, False, 0.3, 0.0, 0)
+    t_out, t_lse = ops.attention_forward(tq.detach(), tk.detach(), tv.detach(), None, pad, False, 0.3, 0.0, None)
     # a bfloat16 query with a float32 mask (added in float32; its gradient dS float32)
     bq, bk, bv = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
-    b_out, b_lse = ops.attention_forward(bq.detach(), bk.detach(), bv.detach(), mask, pad, True, 0.3, 0.0, 0)
+    b_out, b_lse = ops.attention_forward(bq.detach(), bk.detach(), bv.detach(), mask, pad, True, 0.3, 0.0, None)
     return {
-        "attention_forward float32 mask": (ops.attention_forward, (bq, bk, bv, mask, pad, True, 0.3, 0.0, 0)),
+        "attention_forward float32 mask": (ops.attention_forward, (bq, bk, bv, mask, pad, True, 0.3, 0.0, None)),
         "attention_backward float32 mask": (ops.attention_backward,
                                             (dout.bfloat16(), bq.detach(), bk.detach(), bv.detach(), b_out, b_lse,
-                                             mask, pad, True, 0.3, 0.0, 0, True)),
+                                             mask, pad, True, 0.3, 0.0, None, True)),
         "scaled_dot_product_attention float32 mask": (ops.scaled_dot_product_attention,
                                                       (bq, bk, bv, mask.detach().clone().requires_grad_(), 0.0),
                                                       {"enable_gqa": True, "key_padding_mask": pad}),
-        "attention_forward": (ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, 0)),
-        "attention_forward heads inside rows": (ops.attention_forward, (tq, tk, tv, None, pad, False, 0.3, 0.0, 0)),
+        "attention_forward": (ops.attention_forward, (q, k, v, mask, pad, True, 0.3, 0.0, None)),
+        "attention_forward heads inside rows": (ops.attention_forward, (tq, tk, tv, None, pad, False, 0.3, 0.0, None)),
         "attention_backward heads inside rows": (ops.attention_backward,
                                                  (t_out.detach().clone(), tq.detach(), tk.detach(), tv.detach(), t_out,
-                                                  t_lse, None, pad, False, 0.3, 0.0, 0, False)),
-        "attention_forward extras": (ops.attention_forward, (q, k, v, None, pad, False, 0.3, 0.0, 0, *extras, sinks)),
-        "attention_forward packed": (ops.attention_forward, (pq, pk, pv, None, None, False, 0.3, 0.0, 0, [-1, 0], 0.0,
-                                                             torch.rand(3, 4), None, cu_q, cu_k, None, None, 5, 4)),
+                                                  t_lse, None, pad, False, 0.3, 0.0, None, False)),
+        "attention_forward extras": (ops.attention_forward,
+                                     (q, k, v, None, pad, False, 0.3, 0.0, None, *extras, sinks)),
+        "attention_forward packed": (ops.attention_forward, (pq, pk, pv, None, None, False, 0.3, 0.0, None, [-1, 0],
+                                                             0.0, torch.rand(3, 4), None, cu_q, cu_k, None, None, 5,
+                                                             4)),
         "attention_backward extras": (ops.attention_backward, (dout, qs, ks, vs, out_x, lse_x, None, pad, False, 0.3,
-                                                               0.0, 0, False, *extras)),
+                                                               0.0, None, False, *extras)),
         "attention_backward delta": (ops.attention_backward, (dout, qs, ks, vs, out_x, lse_x, None, pad, False, 0.3,
-                                                              0.0, 0, False, *extras), {"compute_delta": True}),
-        "attention_forward dropout": (ops.attention_forward, (q, k, v, None, None, False, 0.3, 0.25, 7)),
-        "attention_backward": (ops.attention_backward, (dout, qs, ks, vs, out, lse, mask, pad, True, 0.3, 0.0, 0, True)),
+                                                              0.0, None, False, *extras), {"compute_delta": True}),
+        "attention_forward dropout": (ops.attention_forward, (q, k, v, None, None, False, 0.3, 0.25, torch.tensor(7))),
+        "attention_backward": (ops.attention_backward,
+                               (dout, qs, ks, vs, out, lse, mask, pad, True, 0.3, 0.0, None, True)),
         "attention_backward_composite": (ops.attention_backward_composite, (dout, qs, ks, vs, mask, pad, True, 0.3)),
         "scaled_dot_product_attention": (ops.scaled_dot_product_attention, (q, k, v, None, 0.0, True),
                                          {"enable_gqa": True, "key_padding_mask": pad}),
+        "scaled_dot_product_attention dropout": (ops.scaled_dot_product_attention, (q, k, v, None, 0.2, True),
+                                                 {"enable_gqa": True, "seed": torch.tensor(3)}),
         "layer_norm_forward": (ops.layer_norm_forward, (x, r, w, b, 1e-5, False)),
         "layer_norm_forward 3d": (ops.layer_norm_forward, (x.view(2, 3, 16), r.view(2, 3, 16), w, b, 1e-5, False)),
         "layer_norm_forward rms": (ops.layer_norm_forward, (x, None, w, None, 1e-6, True)),
@@ -141,7 +146,7 @@ def test_binding_ops_and_named_backend_agree_bit_for_bit(family):
         calls = [lambda q, k, v, m: tf.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: ops.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: _explicit.attention(
-                     "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, 0)[0]]
+                     "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, None)[0]]
         inputs = (q, k, v, mask)
     elif family == "layer_norm":
         x, r, w = torch.randn(3, 4, 40), torch.randn(3, 4, 40), torch.randn(40)
@@ -354,21 +359,21 @@ def test_results_are_laid_out_as_torch_lays_out_attention_results(backend, layou
     forward = _device_kernels.op_kernel("attention_forward", backend, device)
     backward = _device_kernels.op_kernel("attention_backward", backend, device)
     for splits in (0, 3):
-        out, lse = forward(q, k, v, None, None, False, 0.25, 0.0, 0, num_splits=splits)
+        out, lse = forward(q, k, v, None, None, False, 0.25, 0.0, None, num_splits=splits)
         assert out.stride() == result_strides(q, 16), (splits, out.stride())
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.25), atol=1e-5, rtol=1e-5)
     if device == "cpu":
         assert out.stride() == F.scaled_dot_product_attention(q, k, v).stride()
     if layout != "bhnd":  # the model's view back to (B, N, H * D) shares out's memory
         assert out.transpose(1, 2).reshape(2, 40, 64).data_ptr() == out.data_ptr()
-    dq, dk, dv, _, _ = backward(torch.randn_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False)
+    dq, dk, dv, _, _ = backward(torch.randn_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, None, False)
     for grad, t in ((dq, q), (dk, k), (dv, v)):
         assert grad.stride() == result_strides(t, 16), (grad.stride(), t.stride())
 
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
     pq, pk, pv = (t[0].transpose(0, 1) for t in (q, k, v))  # (40, 4, 16) token-major views
-    out, lse = forward(pq, pk, pv, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
-    dq, dk, dv, _, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, 0, False,
+    out, lse = forward(pq, pk, pv, None, None, False, 0.25, 0.0, None, cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
+    dq, dk, dv, _, _ = backward(torch.randn_like(out), pq, pk, pv, out, lse, None, None, False, 0.25, 0.0, None, False,
                              cu_seq_q=cu, cu_seq_k=cu, max_q=4, max_k=4)
     assert all(t.is_contiguous() for t in (out, dq, dk, dv))
 

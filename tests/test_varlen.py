@@ -244,7 +244,7 @@ def test_float64_gradcheck():
 @pytest.mark.parametrize("backend", ["cpp"])
 def test_opcheck_packed(backend):
     q, k, v, cu_q, cu_k = make_pack([3, 0, 5], [4, 2, 5])
-    args = (q, k, v, None, None, False, 0.25, 0.0, 0, [2, 1], 3.0, torch.rand(3, 2), torch.randn(2), cu_q, cu_k,
+    args = (q, k, v, None, None, False, 0.25, 0.0, None, [2, 1], 3.0, torch.rand(3, 2), torch.randn(2), cu_q, cu_k,
             None, None, 5, 5, 0)
     torch.library.opcheck(ops.attention_forward.default, args)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._plain_torch import attention_scores, dropout_keep_mask, sequences, softmax_with_sinks
+from ._plain_torch import attention_scores, dropout_keep_mask, seed_value, sequences, softmax_with_sinks
 
 
 def _compute_dtype(t):
@@ -24,6 +24,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                       block_table=None, max_q=0, max_k=0, num_splits=0):
     c = _compute_dtype(q)
     if cu_seq_q is not None:  # one dense problem per sequence (the packed rows are concatenated back)
+        seed = seed_value(seed)
         outs, lses = [], []
         for b, _, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
                                                      alibi_slopes):

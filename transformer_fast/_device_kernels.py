@@ -22,9 +22,12 @@ def _empty(ref):
 
 
 def _attention_forward(kernel):
+    check_seed = _build.extension().dropout_seed  # csrc/op_utils.h: what a seed is, and its messages
+
     def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                           softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
                           block_table=None, max_q=0, max_k=0, num_splits=0):
+        check_seed("attention_forward", seed, dropout_p)
         if cu_seq_q is None:
             B, H, Nq, _ = q.shape
             if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
@@ -39,9 +42,12 @@ def _attention_forward(kernel):
 
 
 def _attention_backward(kernel):
+    check_seed = _build.extension().dropout_seed
+
     def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                            compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None,
                            cu_seq_k=None, max_q=0, max_k=0, compute_delta=False):
+        check_seed("attention_backward", seed, dropout_p)
         rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
         if rows == 0 or keys == 0:
             dmask = q.new_zeros(*q.shape[:3], k.shape[2]) if compute_dmask else _empty(q)

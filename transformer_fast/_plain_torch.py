@@ -20,10 +20,15 @@ def dmask_dtype(attn_mask, q):
     return torch.float32 if attn_mask is not None and attn_mask.dtype == torch.float32 else q.dtype
 
 
+def seed_value(seed):
+    """The kernel ops' dropout seed (None, or a one-element int64 CPU tensor) as an int."""
+    return 0 if seed is None else int(seed)
+
+
 def dropout_keep_mask(seed, shape, dropout_p, device):
     """The reference backend's dropout mask: True = kept, drawn from a generator seeded with `seed`
     so the backward regenerates exactly the forward's mask."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed_value(seed))
     return torch.rand(shape, generator=generator, device=device) >= dropout_p
 
 
@@ -134,7 +139,8 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
                       block_table=None, max_q=0, max_k=0, num_splits=0):
     c = _compute_dtype(q)
-    if cu_seq_q is not None:
+    if cu_seq_q is not None:  # sequence b drops with seed + b
+        seed = seed_value(seed)
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=c, device=q.device)
         for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
@@ -163,6 +169,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0, compute_delta=False):
     if cu_seq_q is not None:
+        seed = seed_value(seed)
         dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are
         delta = lse.new_zeros(lse.shape) if compute_delta else None  # rows after the last sequence: 0
         for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,

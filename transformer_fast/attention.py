@@ -42,7 +42,8 @@ one logit per head that joins every row's softmax with no value). A row with no 
 out 0 and lse = sinks[h], or +inf without sinks (so exp(s - lse) is 0 there).
 
 Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p), as a function of
-(seed, the row's lse index, j) that the backward regenerates. num_splits: 0 lets the kernel split a
+(seed, the row's lse index, j) that the backward regenerates. seed is None without dropout, else a
+one-element int64 CPU tensor (csrc/op_utils.h, dropout_seed, says why). num_splits: 0 lets the kernel split a
 row's keys over several programs or threads (decoding: few queries, many keys) and merge the parts
 by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
 
@@ -102,11 +103,11 @@ def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dr
 # Public API
 # --------------------------------------------------------------------------------------------
 def _dropout_seed(dropout_p):
-    """A seed for in-kernel dropout, drawn from torch's default generator (so torch.manual_seed
-    makes runs repeatable); 0 when there is no dropout."""
+    """The explicit backends' dropout seed, drawn as the public ops draw theirs
+    (csrc/attention_args.cpp, call_seed): a one-element int64 CPU tensor; None without dropout."""
     if dropout_p == 0.0:
-        return 0
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        return None
+    return torch.randint(2**62, (), dtype=torch.int64)
 
 
 def _real(name, value):
@@ -183,11 +184,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         softcap = _real("softcap", softcap)
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
-    seed = _dropout_seed(dropout_p) if dropout_p else 0
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
         return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale,
-                                               bool(enable_gqa), key_padding_mask, seed, window_size, softcap,
+                                               bool(enable_gqa), key_padding_mask, None, window_size, softcap,
                                                alibi_slopes, sinks)
     check_tensors(query=query, key=key, value=value)
     transformed = _explicit.differentiable_forms_needed()
@@ -195,13 +195,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if explicit is None and not transformed:
         return torch.ops.transformer_fast.scaled_dot_product_attention(
             query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
-            key_padding_mask=key_padding_mask, seed=seed, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks)
+            key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=sinks)
     q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras = _C.attention_args(
         query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), key_padding_mask,
         window_size, softcap, alibi_slopes, sinks)
     out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, bool(is_causal), scale,
-                              float(dropout_p), seed, extras)[0]
+                              float(dropout_p), _dropout_seed(dropout_p), extras)[0]
     return out[0] if unbatched else out
 
 
@@ -243,14 +243,13 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
-    seed = _dropout_seed(dropout_p) if dropout_p else 0
     check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         args = (query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale, list(window_size),
                 bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
-                seed)
+                None)
         if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
             out, lse = _C.varlen_attn(*args)
         else:
@@ -259,5 +258,6 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         q, k, v, _, _, scale, _, extras = _C.varlen_args(
             query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, list(window_size),
             bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
-        out, lse = _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p), seed, extras)
+        out, lse = _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
+                                       _dropout_seed(dropout_p), extras)
     return (out, lse) if return_lse else out

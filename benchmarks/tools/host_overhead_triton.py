@@ -62,10 +62,10 @@ def main():
     # (transformer_fast/_device_kernels.py) and the Triton launcher, as the dispatcher calls them.
     fwd = _device_kernels.op_kernel("attention_forward", "triton", "cuda")
     bwd = _device_kernels.op_kernel("attention_backward", "triton", "cuda")
-    out, lse = fwd(q, q, q, None, None, True, 0.125, 0.0, 0)
-    no_grad["attention_forward op kernel (CUDA key's Python)"] = lambda: fwd(q, q, q, None, None, True, 0.125, 0.0, 0)
+    out, lse = fwd(q, q, q, None, None, True, 0.125, 0.0, None)
+    no_grad["attention_forward op kernel (CUDA key's Python)"] = lambda: fwd(q, q, q, None, None, True, 0.125, 0.0, None)
     no_grad["attention_backward op kernel (CUDA key's Python)"] = lambda: bwd(q, q, q, q, out, lse, None, None, True,
-                                                                             0.125, 0.0, 0, False)
+                                                                             0.125, 0.0, None, False)
     with torch.no_grad():
         for name, fn in no_grad.items():
             print(f"{name + ', no_grad':<60} {per_call_us(fn, 300):7.1f} us")

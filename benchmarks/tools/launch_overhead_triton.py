@@ -48,13 +48,13 @@ def _calls():
     q = torch.randn(1, 2, 64, 64)
     qt = torch.randn(1, 64, 2, 64).transpose(1, 2)  # (B, N, H, D) as models lay it out
     pad = torch.zeros(1, 64, dtype=torch.bool)
-    out, lse = attn_fwd(q, q, q, None, None, True, 0.125, 0.0, 0)
+    out, lse = attn_fwd(q, q, q, None, None, True, 0.125, 0.0, None)
     x, r, w, b = torch.randn(64, 256), torch.randn(64, 256), torch.randn(256), torch.randn(256)
     y, h, mean, rstd = ln_fwd(x, r, w, b, 1e-5, False)
     return {
-        "attention forward": lambda: attn_fwd(q, q, q, None, None, True, 0.125, 0.0, 0),
-        "attention forward, (B, N, H, D), key padding": lambda: attn_fwd(qt, qt, qt, None, pad, False, 0.125, 0.0, 0),
-        "attention backward": lambda: attn_bwd(q, q, q, q, out, lse, None, None, True, 0.125, 0.0, 0, False),
+        "attention forward": lambda: attn_fwd(q, q, q, None, None, True, 0.125, 0.0, None),
+        "attention forward, (B, N, H, D), key padding": lambda: attn_fwd(qt, qt, qt, None, pad, False, 0.125, 0.0, None),
+        "attention backward": lambda: attn_bwd(q, q, q, q, out, lse, None, None, True, 0.125, 0.0, None, False),
         "layer_norm forward, residual": lambda: ln_fwd(x, r, w, b, 1e-5, False),
         "layer_norm backward": lambda: ln_bwd(x, None, h, w, b, mean, rstd, 1e-5, False),
         "rms_norm forward": lambda: ln_fwd(x, None, w, None, 1e-5, True),
@@ -94,25 +94,26 @@ def _plan_cases():
     def dropout(seeds):
         def make(i):
             q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24), randn(1, 2, 40, 24)
-            return lambda: attn_fwd(q, k, v, None, None, True, 0.2, 0.1, seeds[i]), (q, k, v), seeds[i]
+            seed = torch.tensor(seeds[i])  # as the op takes it
+            return lambda: attn_fwd(q, k, v, None, None, True, 0.2, 0.1, seed), (q, k, v), seeds[i]
         return make
 
     def masked_decode(i):  # GQA packing, a bool mask and key padding, split keys
         q, k, v = randn(2, 4, 1, 32), randn(2, 2, 100, 32), randn(2, 2, 100, 32)
         mask, pad = torch.rand(2, 4, 1, 100) > 0.2, torch.rand(2, 100) > 0.8
-        return lambda: attn_fwd(q, k, v, mask, pad, False, 0.2, 0.0, 0, num_splits=3), (q, k, v, mask, pad), None
+        return lambda: attn_fwd(q, k, v, mask, pad, False, 0.2, 0.0, None, num_splits=3), (q, k, v, mask, pad), None
 
     def features(i):  # window, softcap, ALiBi, sinks; q with an odd address
         q = randn(1, 3 * 17 * 24 + 1)[0, 1:].view(1, 3, 17, 24)
         k, v = randn(1, 3, 30, 24), randn(1, 3, 30, 20)
         alibi, sinks = torch.rand(1, 3), randn(3)
-        return (lambda: attn_fwd(q, k, v, None, None, False, 0.2, 0.0, 0, (7, 2), 30.0, alibi, sinks),
+        return (lambda: attn_fwd(q, k, v, None, None, False, 0.2, 0.0, None, (7, 2), 30.0, alibi, sinks),
                 (q, k, v, alibi, sinks), None)
 
     def packed(i):
         q, k, v = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16)
         cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 20, 41], dtype=torch.int32)
-        return (lambda: attn_fwd(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu_q, cu_seq_k=cu_k,
+        return (lambda: attn_fwd(q, k, v, None, None, False, 0.25, 0.0, None, cu_seq_q=cu_q, cu_seq_k=cu_k,
                                  max_q=18, max_k=21), (q, k, v, cu_q, cu_k), None)
 
     def backward(seeds):
@@ -120,16 +121,17 @@ def _plan_cases():
             q, k, v, do = (randn(2, 17, 2, 24).transpose(1, 2) for _ in range(4))
             mask = randn(2, 2, 17, 33)
             kk, vv = randn(2, 2, 33, 24), randn(2, 2, 33, 24)
-            out, lse = attn_fwd(q, kk, vv, mask, None, False, 0.2, 0.1, seeds[i])
-            return (lambda: attn_bwd(do, q, kk, vv, out, lse, mask, None, False, 0.2, 0.1, seeds[i], True),
+            seed = torch.tensor(seeds[i])
+            out, lse = attn_fwd(q, kk, vv, mask, None, False, 0.2, 0.1, seed)
+            return (lambda: attn_bwd(do, q, kk, vv, out, lse, mask, None, False, 0.2, 0.1, seed, True),
                     (do, q, kk, vv, out, lse, mask), seeds[i])
         return make
 
     def packed_backward(i):
         q, k, v, do = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16), randn(30, 4, 16)
         cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 20, 41], dtype=torch.int32)
-        out, lse = attn_fwd(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=18, max_k=21)
-        return (lambda: attn_bwd(do, q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False, cu_seq_q=cu_q,
+        out, lse = attn_fwd(q, k, v, None, None, False, 0.25, 0.0, None, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=18, max_k=21)
+        return (lambda: attn_bwd(do, q, k, v, out, lse, None, None, False, 0.25, 0.0, None, False, cu_seq_q=cu_q,
                                  cu_seq_k=cu_k, max_q=18, max_k=21, compute_delta=True), (do, q, k, v, out, lse),
                 None)
 

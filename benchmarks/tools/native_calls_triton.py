@@ -52,7 +52,7 @@ def _cases():
     their call signature but not their tensors (or dropout seed)."""
     randn = torch.randn
 
-    def attention(q, k, v, mask=None, pad=None, causal=False, dropout=0.0, seed=0, **extra):
+    def attention(q, k, v, mask=None, pad=None, causal=False, dropout=0.0, seed=None, **extra):
         return (q, k, v, mask, pad, causal, 0.2, dropout, seed, extra.get("window", [-1, -1]),
                 extra.get("softcap", 0.0), extra.get("alibi"), extra.get("sinks"), extra.get("cu_q"),
                 extra.get("cu_k"), None, None, extra.get("max_q", 0), extra.get("max_k", 0),
@@ -68,7 +68,7 @@ def _cases():
 
     def dropout(i):
         q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24), randn(1, 2, 40, 24)
-        return attention(q, k, v, causal=True, dropout=0.1, seed=(123457, 654321)[i])
+        return attention(q, k, v, causal=True, dropout=0.1, seed=torch.tensor((123457, 654321)[i]))
 
     def masked_decode(i):  # GQA packing, a bool mask, key padding, 3 splits: scratch and a combine
         q, k, v = randn(2, 4, 1, 32), randn(2, 2, 100, 32), randn(2, 2, 100, 32)
@@ -88,21 +88,22 @@ def _cases():
         q, do = (randn(2, 17, 2, 24).transpose(1, 2) for _ in range(2))
         k, v, mask = randn(2, 2, 33, 24), randn(2, 2, 33, 24), randn(2, 2, 17, 33)
         out, lse = randn(2, 2, 17, 24), randn(2, 2, 17)
-        return (do, q, k, v, out, lse, mask, None, False, 0.2, 0.1, (765431, 876543)[i], True, [-1, -1], 0.0, None,
-                None, None, 0, 0, False)
+        seed = torch.tensor((765431, 876543)[i])
+        return (do, q, k, v, out, lse, mask, None, False, 0.2, 0.1, seed, True, [-1, -1], 0.0, None, None, None, 0, 0,
+                False)
 
     def backward_copies(i):  # dout and out read through contiguous copies, lse through a copy
         q, k, v = randn(1, 2, 20, 16), randn(1, 2, 20, 16), randn(1, 2, 20, 16)
         do, out = randn(1, 2, 16, 20).transpose(2, 3), randn(1, 2, 16, 20).transpose(2, 3)
         lse = randn(1, 20, 2).permute(0, 2, 1)
-        return (do, q, k, v, out, lse, None, None, True, 0.25, 0.0, 0, False, [-1, -1], 0.0, None, None, None, 0, 0,
+        return (do, q, k, v, out, lse, None, None, True, 0.25, 0.0, None, False, [-1, -1], 0.0, None, None, None, 0, 0,
                 False)
 
     def packed_backward(i):  # delta (zero-filled)
         q, k, v, do = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16), randn(30, 4, 16)
         out, lse = randn(30, 4, 16), randn(4, 30)
         cu_q, cu_k = torch.tensor([0, 12, 30], dtype=torch.int32), torch.tensor([0, 20, 41], dtype=torch.int32)
-        return (do, q, k, v, out, lse, None, None, False, 0.25, 0.0, 0, False, [-1, -1], 0.0, None, cu_q, cu_k, 18,
+        return (do, q, k, v, out, lse, None, None, False, 0.25, 0.0, None, False, [-1, -1], 0.0, None, cu_q, cu_k, 18,
                 21, True)
 
     def norm_residual_3d(i):  # (B, T, C): results viewed from (rows, C)
@@ -274,9 +275,9 @@ def check_signatures(native):
     randn = torch.randn
     q = randn(1, 2, 64, 64)
     k, v = randn(1, 2, 64, 64), randn(1, 2, 64, 64)
-    shared = (q, q, q, None, None, True, 0.2, 0.1, 123457)
-    twins = {"q, k and v apart": (q, k, v, None, None, True, 0.2, 0.1, 123457),
-             "dropout seed 1": (q, q, q, None, None, True, 0.2, 0.1, 1)}
+    shared = (q, q, q, None, None, True, 0.2, 0.1, torch.tensor(123457))
+    twins = {"q, k and v apart": (q, k, v, None, None, True, 0.2, 0.1, torch.tensor(123457)),
+             "dropout seed 1": (q, q, q, None, None, True, 0.2, 0.1, torch.tensor(1))}
     attention = native["attention_forward"]
     failures = 0
     for name, args in twins.items():
