@@ -19,21 +19,26 @@ def _packed(q, k, v, cu):
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_compiled_dropout_draws_a_mask_per_call_and_its_backward_uses_it(compiler):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_dropout_draws_a_mask_per_call_and_its_backward_uses_it(compiler, device):
     """With v = identity the output is the dropped probabilities P' themselves, so dV = P'^T dO
-    must be out^T dO exactly when the backward drops what the forward dropped."""
+    must be out^T dO when the backward drops what the forward dropped (a probability dropped in
+    one and not the other moves dV by about P' |dO| ~ 0.1, far beyond the products' rounding:
+    float16 on CUDA, where the Triton kernels run through native calls)."""
     torch._dynamo.reset()
     compiled = torch.compile(_dense, fullgraph=True, backend=compiler)
     B, H, N = 2, 3, 24
-    q, k = torch.randn(B, H, N, 16), torch.randn(B, H, N, 16)
-    eye = torch.eye(N).expand(B, H, N, N).clone().requires_grad_()
-    allowed = torch.ones(N, N, dtype=torch.bool).tril().expand(B, H, N, N)
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q, k = torch.randn(B, H, N, 16, device=device, dtype=dtype), torch.randn(B, H, N, 16, device=device, dtype=dtype)
+    eye = torch.eye(N, device=device, dtype=dtype).expand(B, H, N, N).clone().requires_grad_()
+    allowed = torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(B, H, N, N)
+    tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == torch.float16 else {}
     kept = []
     for _ in range(2):
         out = compiled(q, k, eye)
         dout = torch.randn_like(out)
         (dv,) = torch.autograd.grad((out * dout).sum(), eye)
-        torch.testing.assert_close(dv, out.detach().transpose(-2, -1) @ dout)
+        torch.testing.assert_close(dv.float(), out.detach().float().transpose(-2, -1) @ dout.float(), **tolerance)
         kept.append(out.detach() != 0)
         assert not kept[-1][~allowed].any()
         assert abs(kept[-1][allowed].float().mean().item() - (1 - P)) < 0.08
