@@ -45,14 +45,16 @@ struct Dropout {
   TF_HOST_DEVICE uint64_t row_key(int64_t lse_index) const {
     return mix64(seed ^ mix64(static_cast<uint64_t>(lse_index) + 0x632BE59BD9B4E019ULL));
   }
-  // inv_keep if key j is kept for the row of `key`, else 0.
-  TF_HOST_DEVICE float factor(uint64_t key, int64_t j) const {
+  // Whether key j is kept for the row of `key`.
+  TF_HOST_DEVICE bool kept(uint64_t key, int64_t j) const {
     const uint64_t h = mix64(key + static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ULL);
-    return static_cast<uint32_t>(h >> 40) >= threshold ? inv_keep : 0.f;
+    return static_cast<uint32_t>(h >> 40) >= threshold;
   }
-  // factor(key, j0 + c) for c in [0, n).
-  void factors(uint64_t key, int64_t j0, int64_t n, float* out) const {
-    for (int64_t c = 0; c < n; ++c) out[c] = factor(key, j0 + c);
+  // inv_keep if key j is kept for the row of `key`, else 0.
+  TF_HOST_DEVICE float factor(uint64_t key, int64_t j) const { return kept(key, j) ? inv_keep : 0.f; }
+  // For c in [0, n): `value` if key j0 + c is kept for the row of `key`, else 0.
+  void factors(uint64_t key, int64_t j0, int64_t n, float value, float* out) const {
+    for (int64_t c = 0; c < n; ++c) out[c] = kept(key, j0 + c) ? value : 0.f;
   }
 };
 

@@ -233,7 +233,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               float* dp = dP.data() + r * ldS;
               float* f = drop.data() + r * ldS;
               if (p.dropout.active()) {
-                p.dropout.factors(p.dropout.row_key(row0 + r), j0, bn, f);
+                p.dropout.factors(p.dropout.row_key(row0 + r), j0, bn, p.dropout.inv_keep, f);
                 for (int64_t c = 0; c < bn; ++c) dp[c] *= f[c];
               }
               if (fused) {

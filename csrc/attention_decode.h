@@ -104,21 +104,22 @@ void rows_times_values(const float* P, int64_t ldP, int64_t R, const T* const* v
   }
 }
 
-// A row's accumulator acc (Dv, sum of exp(s - m) v over its keys), running max m and sum l ->
-// out = acc / (l + exp(sink - m)) and lse = log(sum exp(s) + exp(sink)) (sink -inf: none), both
-// taken against max(m, sink) so that neither term overflows. A row with no allowed key (m = -inf)
-// gives 0 and lse = sink, or +inf without a sink. acc is scaled in place; returns lse.
-inline float finish_row(float m, float l, float* acc, int64_t Dv, float sink) {
+// A row's accumulator acc (Dv, sum of exp(s - m) v over its kept keys), running max m and sum l ->
+// out = out_scale * acc / (l + exp(sink - m)) and lse = log(sum exp(s) + exp(sink)) (sink -inf:
+// none), both taken against max(m, sink) so that neither term overflows; out_scale is dropout's
+// 1 / (1 - p). A row with no allowed key (m = -inf) gives 0 and lse = sink, or +inf without a
+// sink. acc is scaled in place; returns lse.
+inline float finish_row(float m, float l, float* acc, int64_t Dv, float sink, float out_scale) {
   if (l == 0.f) {  // no allowed key (NaN goes on: a NaN score makes the row NaN, as it should)
     std::fill(acc, acc + Dv, 0.f);
     return sink == kNegInf ? kInf : sink;
   }
   if (sink == kNegInf) {
-    scale_row(acc, Dv, 1.f / l);
+    scale_row(acc, Dv, out_scale / l);
     return m + std::log(l);
   }
   const float top = std::max(m, sink), keys = std::exp(m - top), total = l * keys + std::exp(sink - top);
-  scale_row(acc, Dv, keys / total);
+  scale_row(acc, Dv, out_scale * keys / total);
   return top + std::log(total);
 }
 

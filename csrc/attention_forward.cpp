@@ -176,9 +176,12 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           }
           l[r] += row_sum;
           m[r] = m_new;
+          // Dropout zeroes the dropped probabilities here and scales the row by 1 / (1 - p) once it
+          // is finished (finish_row, in fp32): P enters a bf16/fp16 product with its own values (a
+          // lone key's 1 stays 1), so O agrees with the backward's fp32 scaling of dP.
           if (p.dropout.active()) {
             const int64_t h = h0 + r / bm, i = i0 + r % bm;
-            p.dropout.factors(p.dropout.row_key(p.lse_index(b, h, i)), j0, bn, drop.data());
+            p.dropout.factors(p.dropout.row_key(p.lse_index(b, h, i)), j0, bn, 1.f, drop.data());
             for (int64_t c = 0; c < bn; ++c) s[c] *= drop[c];
           }
           if (masked) {
@@ -233,7 +236,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
           st[1] = l[r];
           continue;
         }
-        lse_data[p.lse_index(b, h, i)] = finish_row(m[r], l[r], a, Dv, p.sinks ? p.sinks[h] : kNegInf);
+        lse_data[p.lse_index(b, h, i)] = finish_row(m[r], l[r], a, Dv, p.sinks ? p.sinks[h] : kNegInf,
+                                                    p.dropout.inv_keep);
         convert_row(a, oo.at(b, h).row(i), Dv);
       }
     }
@@ -247,7 +251,8 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
       if (r >= heads * bm) continue;
       const int64_t h = rb.h0 + r / bm, i = rb.i0 + r % bm;
       const auto [mr, lr] = merge_parts(partials, row / R, r, a.data());
-      lse_data[p.lse_index(rb.b, h, i)] = finish_row(mr, lr, a.data(), Dv, p.sinks ? p.sinks[h] : kNegInf);
+      lse_data[p.lse_index(rb.b, h, i)] = finish_row(mr, lr, a.data(), Dv, p.sinks ? p.sinks[h] : kNegInf,
+                                                     p.dropout.inv_keep);
       convert_row(a.data(), oo.at(rb.b, h).row(i), Dv);
     }
   });

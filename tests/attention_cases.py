@@ -58,27 +58,33 @@ def random_attn_mask(shape, kind, *, dtype=torch.float32, device="cpu"):
 
 def check_attention(backend, q, k, v, *, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
                     grads=True, atol=None, factor=2.0, attention=None, window_size=None, softcap=None,
-                    alibi_slopes=None, sinks=None):
+                    alibi_slopes=None, sinks=None, dropout=None):
     """Output (and q, k, v gradients, and the sinks' where given) of tf.scaled_dot_product_attention
     on `backend` against the float64 reference, with the package's comparison policy (`factor` x
     the reference's error + `atol`). `attention`: another function with its signature to check
-    instead (`backend` then only names it in messages)."""
+    instead (`backend` then only names it in messages). `dropout`: (p, generator seed, keep mask):
+    the call runs with dropout_p = p after torch.manual_seed(generator seed), and the references
+    drop what `keep` (the call's own mask, dropout_keep_mask) does not keep."""
     gqa = k.shape[1] != q.shape[1]
     attention = attention or functools.partial(tf.scaled_dot_product_attention, backend=backend)
     extras = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    p, generator_seed, keep = dropout or (0.0, None, None)
 
     def kernel(q, k, v, sinks=None):
+        if p:
+            torch.manual_seed(generator_seed)  # the public function draws its seed from torch's generator
         return attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa,
-                         key_padding_mask=key_padding_mask, **_given(extras, sinks=sinks))
+                         key_padding_mask=key_padding_mask, **_given(extras, sinks=sinks, dropout_p=p or None))
 
     def ref(q, k, v, sinks=None):
         mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(q.dtype)
         return reference.scaled_dot_product_attention(q, k, v, mask, is_causal, scale,
-                                                      key_padding_mask=key_padding_mask, sinks=sinks, **extras)
+                                                      key_padding_mask=key_padding_mask, sinks=sinks, dropout_mask=keep,
+                                                      dropout_p=p, **extras)
 
     def flash(inputs, dout):  # inputs: q, k, v[, sinks]
         return flash_gradients(*inputs[:3], dout, *inputs[3:], attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                               is_causal=is_causal, scale=scale, **extras)
+                               is_causal=is_causal, scale=scale, dropout=None if keep is None else (p, keep), **extras)
 
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     return compare_with_reference(kernel, ref, inputs, grad_inputs=tuple(range(len(inputs))) if grads else (),
@@ -137,6 +143,20 @@ def check_float32_mask(attention, dtype, what, shape=(2, 4, 2, 17, 40, 24)):
     assert max_error(rounded, expected[0]) > 10 * max_error(ours[0], expected[0])
 
 
+def dropout_keep_mask(backend, q, k, p, generator_seed, **call):
+    """The keep mask (B, H, Nq, Nk) bool of tf.scaled_dot_product_attention(q, k, v, **call) with
+    dropout_p = p after torch.manual_seed(generator_seed), whatever v: the mask is a function of the
+    seed and (batch, head, query, key), so a run with v = identity (Nk <= 256) shows it, as
+    out = P * keep / (1 - p). Where P is 0 the mask changes nothing, and reads as dropped."""
+    B, Hk, Nk = k.shape[:3]
+    eye = torch.eye(Nk, dtype=q.dtype, device=q.device).expand(B, Hk, Nk, Nk)
+    torch.manual_seed(generator_seed)
+    with torch.no_grad():
+        out = tf.scaled_dot_product_attention(q, k, eye, dropout_p=p, enable_gqa=Hk != q.shape[1], backend=backend,
+                                              **call)
+    return out != 0
+
+
 def _given(kwargs, **more):
     """The keyword arguments that are not None."""
     return {k: v for k, v in {**kwargs, **more}.items() if v is not None}
@@ -164,7 +184,7 @@ def check_value_gradient(attention, q, k, v, *, key_padding_mask=None, factor=2.
 
 
 def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                    scale=None, window_size=None, softcap=None, alibi_slopes=None, score_gradient=False):
+                    scale=None, window_size=None, softcap=None, alibi_slopes=None, score_gradient=False, dropout=None):
     """dq, dk, dv (then dsinks, where sinks are given, and the float32 score gradient dS (B, H, Nq,
     Nk), the gradient of a float mask, with score_gradient) by FlashAttention-2's backward equations,
     unfused, with fp32 arithmetic on the inputs' values: P = exp(S - lse), dS = P * (dP - delta)
@@ -175,7 +195,8 @@ def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_ma
     with an fp16/bf16 O, by O's rounding. (Measured: the C++ and PyTorch CPU kernels both show
     it.) So its error, too, counts as the reference's error in the inputs' dtype. dsinks sums
     P_sink * delta over every row, which would add those roundings up: the kernels (and this)
-    take it from rowsum(P * dP) instead."""
+    take it from rowsum(P * dP) instead. dropout (p, keep mask): P and dP with the dropped entries
+    0 and the kept ones scaled by 1 / (1 - p), as the kernels' backward regenerates them."""
     dtype = q.dtype
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
@@ -194,15 +215,16 @@ def flash_gradients(q, k, v, dout, sinks=None, *, attn_mask=None, key_padding_ma
         columns = torch.cat([columns, sinks.detach().float()[None, :, None, None].expand(B, H, Nq, 1)], dim=-1)
     lse = torch.logsumexp(columns, dim=-1, keepdim=True)
     p = torch.exp(s - lse).masked_fill(no_key, 0.0)
-    out = (p @ vf).to(dtype).float()
-    dp = dof @ vf.transpose(-2, -1)
+    drop = 1.0 if dropout is None else dropout[1].float() / (1 - dropout[0])
+    out = ((p * drop) @ vf).to(dtype).float()
+    dp = (dof @ vf.transpose(-2, -1)) * drop
     delta = (dof * out).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
     if softcap:
         ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
     dq = ds @ kf * scale
     dk = (ds.transpose(-2, -1) @ qf * scale).unflatten(1, (Hk, group)).sum(dim=2)
-    dv = (p.transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
+    dv = ((p * drop).transpose(-2, -1) @ dof).unflatten(1, (Hk, group)).sum(dim=2)
     grads = [dq.to(dtype), dk.to(dtype), dv.to(dtype)]
     if sinks is not None:
         p_sink = torch.exp(sinks.detach().float()[None, :, None, None] - lse)

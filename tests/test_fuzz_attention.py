@@ -3,7 +3,8 @@
 batch and head counts with grouped-query heads, odd lengths and head dims, unequal query and
 value head dims, (B, N, H, D) strides, causal masks, bool and float masks of broadcast shapes,
 key padding and scales, and with windows, soft-capping, ALiBi and sinks, forward and gradients
-(the sinks' too). Draws are seeded, so a failure names its seed:
+(the sinks' too); and with dropout, against the references given the call's own keep mask. Draws
+are seeded, so a failure names its seed:
 `draw(seed)` rebuilds the call. Slow: about a minute for the C++ backend's 3,000 draws, and the
 Triton backend's 100 under the interpreter take about a minute more."""
 import random
@@ -11,7 +12,7 @@ import random
 import pytest
 import torch
 
-from attention_cases import check_attention, make_qkv, random_attn_mask, random_key_padding
+from attention_cases import check_attention, dropout_keep_mask, make_qkv, random_attn_mask, random_key_padding
 from helpers import TRITON_TESTS, kernel_device
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def draw_extras(seed, H, B):
                 alibi_slopes=rnd.choice([None, None, (H,), (B, H)]), sinks=rnd.random() < 0.3)
 
 
-def check_draw(seed, backend, dtypes, device="cpu", extras=False):
+def check_draw(seed, backend, dtypes, device="cpu", extras=False, dropout=False):
     c = draw(seed, dtypes)
     torch.manual_seed(seed)
     q, k, v = make_qkv(c["B"], c["H"], c["Nq"], c["Nk"], c["D"], c["Dv"], Hk=c["Hk"], dtype=c["dtype"],
@@ -52,8 +53,15 @@ def check_draw(seed, backend, dtypes, device="cpu", extras=False):
         if more["alibi_slopes"] is not None:
             more["alibi_slopes"] = torch.rand(more["alibi_slopes"], device=device)
         more["sinks"] = torch.randn(c["H"], device=device).to(c["dtype"]) if more["sinks"] else None
-    check_attention(backend, q, k, v, attn_mask=mask, key_padding_mask=padding, is_causal=c["causal"],
-                    scale=c["scale"], **more)
+    call = dict(attn_mask=mask, key_padding_mask=padding, is_causal=c["causal"], scale=c["scale"], **more)
+    if dropout:
+        p = random.Random(seed + 10**6).choice([0.1, 0.5])
+        more["dropout"] = (p, seed, dropout_keep_mask(backend, q, k, p, seed, **call))
+    try:
+        check_attention(backend, q, k, v, attn_mask=mask, key_padding_mask=padding, is_causal=c["causal"],
+                        scale=c["scale"], **more)
+    except AssertionError as e:
+        raise AssertionError(f"draw {seed} ({c}, {more.get('dropout', (0.0,))[0] or 'no'} dropout): {e}") from e
 
 
 @pytest.mark.parametrize("block", range(20))
@@ -68,6 +76,12 @@ def test_cpp_attention_random_calls_with_extras(block):
         check_draw(seed, "cpp", (torch.float32, torch.bfloat16, torch.float16), extras=True)
 
 
+@pytest.mark.parametrize("block", range(5))
+def test_cpp_attention_random_calls_with_dropout(block):
+    for seed in range(block * 100, (block + 1) * 100):
+        check_draw(seed, "cpp", (torch.float32, torch.bfloat16, torch.float16), extras=seed % 2 == 1, dropout=True)
+
+
 @pytest.mark.parametrize("block", range(2))
 @TRITON_TESTS[0]
 @TRITON_TESTS[1]
@@ -77,3 +91,12 @@ def test_triton_attention_random_calls(block):
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if device == "cuda" else ())
     for seed in range(block * 50, (block + 1) * 50):
         check_draw(seed, "triton", dtypes, device, extras=seed % 2 == 1)
+
+
+@TRITON_TESTS[0]
+@TRITON_TESTS[1]
+def test_triton_attention_random_calls_with_dropout():
+    device = kernel_device()
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if device == "cuda" else ())
+    for seed in range(50):
+        check_draw(seed, "triton", dtypes, device, extras=seed % 2 == 1, dropout=True)
