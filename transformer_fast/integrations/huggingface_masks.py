@@ -4,7 +4,6 @@ sets on the masks it returns for ``attention_forward`` to read. How and why mask
 way: the docstring of ``huggingface.py``."""
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -17,11 +16,20 @@ def _supports(cls, implementation):
     return getattr(cls, f"_supports_{implementation}", False) is True  # a property (old composite models): unknown
 
 
-@functools.lru_cache(maxsize=None)
+_SDPA_FAMILIES = {}  # config class -> _family_supports_sdpa's answer
+
+
+@torch.compiler.assume_constant_result  # torch.compile calls it while tracing: no graph break at the import
 def _family_supports_sdpa(config_cls) -> bool:
     """Whether every model class of ``config_cls``'s family (the ``modeling_*`` module beside its
     ``configuration_*`` module) supports sdpa, so that its attention modules' ``is_causal`` is what
     sdpa reads when a mask is left out. Unknown (no such module): False."""
+    if config_cls not in _SDPA_FAMILIES:
+        _SDPA_FAMILIES[config_cls] = _every_model_class_supports_sdpa(config_cls)
+    return _SDPA_FAMILIES[config_cls]
+
+
+def _every_model_class_supports_sdpa(config_cls):
     config_module = config_cls.__module__
     modeling = config_module.replace(".configuration_", ".modeling_")
     if modeling == config_module:
