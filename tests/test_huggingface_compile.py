@@ -2,7 +2,7 @@
 dropout), Mistral (a sliding window), GPT-2 and T5 models in training mode trace to one graph, as
 on "sdpa" (the mask builder's per-family lookup imports a module, which Dynamo cannot trace: it is
 answered while tracing, torch.compiler.assume_constant_result); compiled, they give what eager
-gives."""
+gives, and a compiled decoding step on a static KV cache gives sdpa's logits."""
 import pytest
 import torch
 
@@ -71,3 +71,27 @@ def test_compiled_model_gives_what_eager_gives(name):
         expected, got = model(**inputs).last_hidden_state, compiled(**inputs).last_hidden_state
     valid = inputs["attention_mask"].bool() if name == "llama" else slice(None)  # padded queries: any value
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_static_cache_decoding_gives_sdpa_logits():
+    model_cls, config = transformers.LlamaForCausalLM, _family("llama")[1]
+    config.attention_dropout = 0.0
+    torch.manual_seed(0)
+    ours = model_cls._from_config(config, attn_implementation="transformer_fast").eval()
+    ref = model_cls._from_config(config, attn_implementation="sdpa").eval()
+    ref.load_state_dict(ours.state_dict())
+    torch._dynamo.reset()
+    ids = _inputs("llama")["input_ids"]
+    logits = {}
+    with torch.no_grad():
+        for name, model, step in (("sdpa", ref, ref.forward),
+                                  ("ours", ours, torch.compile(ours.forward, fullgraph=True, backend="aot_eager"))):
+            cache = transformers.StaticCache(config=config, max_cache_len=32)
+            model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ids.shape[1]))
+            token, steps = ids[:, -1:], []
+            for position in range(ids.shape[1], ids.shape[1] + 4):
+                out = step(token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([position]))
+                token = out.logits[:, -1:].argmax(-1)
+                steps.append(out.logits)
+            logits[name] = torch.cat(steps, dim=1)
+    torch.testing.assert_close(logits["ours"], logits["sdpa"], atol=1e-5, rtol=1e-4)
