@@ -25,6 +25,9 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-attention-dropout-ab-2026-11-27.txt": "the C++ CPU attention with dropout 0.1 before and after the dropout "
+                                               "changes (BERT-base layer, one thread): forward 0.64-0.70x its former "
+                                               "time, backward 0.79-0.83x; no change without dropout",
     "cpu-attention-causal-tiles-2026-11-27.txt": "the C++ attention's forward key tiles in bf16/fp16 with a causal "
                                                  "mask or a window, 512 against 256 keys: bf16 forward causal "
                                                  "0.83-0.90x its former time, windows 0.65-0.83x",
