@@ -9,7 +9,7 @@ import torch
 import transformer_fast as tf
 from transformer_fast import _backends, _build, reference
 
-from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_garbage_does_not_leak, check_gpu_grid, check_value_gradient, make_qkv,
+from attention_cases import (kernel_attention_backward, kernel_attention_forward, GPU_HEAD_DIMS, check_attention, check_garbage_does_not_leak, check_gpu_grid, check_value_gradient, dropout_keep_mask, make_qkv,
                              inside_nan, random_attn_mask, random_key_padding)
 from helpers import compare_with_reference, result_strides
 
@@ -397,9 +397,7 @@ def test_dropout_gradients_match_reference_with_the_same_mask(backend, dtype, is
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
     pad = random_key_padding(B, Nk)
     kwargs = dict(dropout_p=p, is_causal=is_causal, key_padding_mask=pad, enable_gqa=Hk != H)
-    eye = torch.eye(Nk, Dv, dtype=dtype).expand(B, Hk, Nk, Dv)
-    probe = _sdpa_seeded(backend, seed, **kwargs)(q, k, eye)[..., :Nk]
-    keep = probe != 0
+    keep = dropout_keep_mask(backend, q, k, p, seed, is_causal=is_causal, key_padding_mask=pad)
     allowed = ~pad[:, None, None, :] & (torch.ones(Nq, Nk, dtype=torch.bool).tril() if is_causal else True)
     kept_fraction = keep[allowed.expand_as(keep)].float().mean().item()
     assert abs(kept_fraction - (1 - p)) < 0.03
