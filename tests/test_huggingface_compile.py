@@ -95,3 +95,18 @@ def test_compiled_static_cache_decoding_gives_sdpa_logits():
                 steps.append(out.logits)
             logits[name] = torch.cat(steps, dim=1)
     torch.testing.assert_close(logits["ours"], logits["sdpa"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "mistral", "gpt2", "t5"])
+def test_exported_model_gives_what_eager_gives(name):
+    """torch.export traces the op into the exported program, which then computes what the model does."""
+    model_cls, config = _family(name)
+    torch.manual_seed(0)
+    model = model_cls._from_config(config, attn_implementation="transformer_fast").eval()
+    inputs = dict(_inputs(name), use_cache=False) if name != "bert" else _inputs(name)
+    exported = torch.export.export(model, (), inputs)
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert any(op.startswith("transformer_fast.") for op in ops), sorted(ops)
+    with torch.no_grad():
+        expected, got = model(**inputs).last_hidden_state, exported.module()(**inputs).last_hidden_state
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)

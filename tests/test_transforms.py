@@ -211,3 +211,16 @@ def test_jit_script_refuses_clearly_and_export_works():
     x = torch.randn(2, 5, 16)
     exported = torch.export.export(layer, (x,))
     torch.testing.assert_close(exported.module()(x), layer(x), atol=0, rtol=0)
+
+
+def test_export_with_a_dynamic_length_and_key_padding():
+    """Exported at one length, the program serves others: the op's fake kernel is shape-generic."""
+    layer = tf.convert(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)).eval()
+    length = torch.export.Dim("length", min=2, max=64)
+    x, pad = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    exported = torch.export.export(layer, (x,), {"src_key_padding_mask": pad},
+                                   dynamic_shapes={"src": {1: length}, "src_key_padding_mask": {1: length}})
+    x, pad = torch.randn(2, 23, 16), torch.arange(23)[None, :] >= torch.tensor([[23], [9]])
+    with torch.no_grad():
+        got = exported.module()(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(got, layer(x, src_key_padding_mask=pad), atol=0, rtol=0)
