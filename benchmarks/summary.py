@@ -25,6 +25,10 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-linear-state-sum-2026-11-27.txt": "linear attention's final state summed in float64 (C++) and with Kahan "
+                                           "compensation (Triton): final z within torch's summation error at 200-20k "
+                                           "keys (was 2-6.5x); C++ time unchanged (0.94-1.02x, one thread); Triton "
+                                           "register use and spills from the compile check",
     "cpu-attention-dropout-ab-2026-11-27.txt": "the C++ CPU attention with dropout 0.1 before and after the dropout "
                                                "changes (BERT-base layer, one thread): forward 0.64-0.70x its former "
                                                "time, backward 0.79-0.83x; no change without dropout",

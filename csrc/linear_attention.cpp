@@ -7,7 +7,8 @@
 //   S' = sum_j phi(k_j)^T v'_j (D x (Dv+1)) = [S, z],   n'_i = phi(q_i) S' = [numerator, denominator - eps].
 // Causal: the sequence is cut into chunks of kCausalChunk tokens; a chunk's output is its masked
 // C x C block phi(Q_c) phi(K_c)^T V'_c plus phi(Q_c) S'_(before the chunk), then S' += phi(K_c)^T V'_c.
-// Nothing of size N x D x Dv is ever formed; the state is float32 (float64 for float64 inputs).
+// Nothing of size N x D x Dv is ever formed; the state is float32 (float64 for float64 inputs),
+// summed in float64 across chunks (StateSum).
 // A carried state is the recurrence's starting value: S' starts from [S0, z0] instead of zero, and
 // the final state is S' after the last chunk (non-causal: after the last key).
 //
@@ -42,6 +43,7 @@ namespace {
 
 constexpr int64_t kCausalChunk = 64;   // tokens per chunk of the causal form (16..128 time alike)
 constexpr int64_t kChunk = 256;        // rows per block of the non-causal form (only bounds buffers)
+constexpr int64_t kColumnRows = 16;    // rows per partial sum of a state's last column (StateSum)
 
 // Row-major c (m x n, row stride ldc) = op(a) op(b) + beta * c (see cpu_blas::gemm).
 template <typename acc_t>
@@ -198,6 +200,51 @@ void keep_lower_triangle(acc_t* a, int64_t rows, int64_t ld) {
   for (int64_t i = 0; i < rows; ++i) std::fill(a + i * ld + i + 1, a + i * ld + rows, acc_t(0));
 }
 
+// A state S' (D x E) that sums X^T Y over many rows into a float64 total, from which S' (acc_t)
+// is refreshed: each add's product comes from one gemm, but its last column (z = sum_j phi(k_j),
+// or the reverse state's g column) is summed apart, in acc_t partials of kColumnRows rows, as
+// torch's cascaded sums do. A gemm sums its k-loop sequentially, and z, a sum of positive terms,
+// carried that rounding: in float32 as it grew, the final z was 2-6x the error of torch's
+// summation from 200 to 20k keys (S, with values of mixed signs, within the rule). Leaving the
+// last column out of the gemm also spares its one-column tail (register_tile<6, 1>: 8.7% -> 6.6%
+// of a causal forward's profile, the rest in the other E-wide products).
+template <typename acc_t>
+struct StateSum {
+  std::vector<double> total;
+  std::vector<acc_t> part;
+
+  // Starts the sum from S' (D x E), as loaded into S.
+  void start(const acc_t* S, int64_t D, int64_t E) {
+    total.assign(S, S + D * E);
+    part.resize(D * E + D);
+  }
+
+  // S' += X^T Y for X (rows x D, row stride D) and Y (rows x E, row stride E); S = S' in acc_t.
+  void add(const acc_t* X, const acc_t* Y, int64_t rows, int64_t D, int64_t E, acc_t* S) {
+    using Vec = at::vec::Vectorized<acc_t>;
+    acc_t* column = part.data() + D * E;
+    matmul(true, false, D, E - 1, rows, X, D, Y, E, acc_t(0), part.data(), E);  // all but the last column
+    for (int64_t r0 = 0; r0 < rows; r0 += kColumnRows) {
+      std::fill(column, column + D, acc_t(0));
+      for (int64_t r = r0; r < std::min(rows, r0 + kColumnRows); ++r) {
+        const Vec y(Y[r * E + E - 1]);
+        at::vec::map2([y](Vec c, Vec x) { return at::vec::fmadd(x, y, c); }, column, column, X + r * D, D);
+      }
+      for (int64_t d = 0; d < D; ++d) total[d * E + E - 1] += static_cast<double>(column[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      double* t = total.data() + d * E;
+      const acc_t* p = part.data() + d * E;
+      acc_t* s = S + d * E;
+      for (int64_t e = 0; e < E - 1; ++e) {
+        t[e] += static_cast<double>(p[e]);
+        s[e] = static_cast<acc_t>(t[e]);
+      }
+      s[E - 1] = static_cast<acc_t>(t[E - 1]);
+    }
+  }
+};
+
 struct Sizes {
   int64_t B, H, Nq, Nk, D, Dv;
 };
@@ -217,21 +264,22 @@ struct HeadState {
 // chunk buffers; padded keys load as zeros).
 template <typename scalar_t, typename acc_t>
 void accumulate_state(const Sizes& s, const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv,
-                      const bool* padded, acc_t* Kc, acc_t* Vc, acc_t* S) {
+                      const bool* padded, acc_t* Kc, acc_t* Vc, acc_t* S, StateSum<acc_t>& sum) {
   const int64_t D = s.D, Dv = s.Dv, E = Dv + 1, C = kChunk;
+  sum.start(S, D, E);
   for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
     const int64_t rows = std::min(C, s.Nk - j0);
     const bool* pad = padded ? padded + j0 : nullptr;
     load_rows(k + j0 * sk, sk, rows, D, pad, true, false, Kc, D);
     load_rows(v + j0 * sv, sv, rows, Dv, pad, false, true, Vc, E);
-    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K)^T V'
+    sum.add(Kc, Vc, rows, D, E, S);  // S' += phi(K)^T V'
   }
 }
 
 template <typename scalar_t, typename acc_t>
 void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t* k, int64_t sk, const scalar_t* v,
                   int64_t sv, const bool* padded, bool is_causal, acc_t eps, scalar_t* out, const HeadState<acc_t>& st,
-                  std::vector<acc_t>& ws) {
+                  std::vector<acc_t>& ws, StateSum<acc_t>& sum) {
   const int64_t D = s.D, Dv = s.Dv, E = Dv + 1;
   const int64_t C = is_causal ? kCausalChunk : kChunk;
   ws.resize(2 * C * D + 2 * C * E + C * C + D * E);
@@ -243,7 +291,7 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
   acc_t* S = A + C * C;
   st.start.load(st.b, st.h, D, Dv, S);
   if (!is_causal) {
-    accumulate_state(s, k, sk, v, sv, padded, Kc, Vc, S);
+    accumulate_state(s, k, sk, v, sv, padded, Kc, Vc, S, sum);
     if (st.end_S != nullptr) store_state(S, D, Dv, st.end_S, st.end_z);
     for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
       const int64_t rows = std::min(C, s.Nq - i0);
@@ -253,6 +301,7 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
     }
     return;
   }
+  sum.start(S, D, E);
   for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
     const int64_t rows = std::min(C, s.Nq - i0);
     const bool* pad = padded ? padded + i0 : nullptr;
@@ -264,7 +313,7 @@ void forward_head(const Sizes& s, const scalar_t* q, int64_t sq, const scalar_t*
     matmul(false, false, rows, E, rows, A, C, Vc, E, acc_t(0), Nc, E);  // n' = A V'_c
     matmul(false, false, rows, E, D, Qc, D, S, E, acc_t(1), Nc, E);     //    + phi(Q_c) S'
     store_normalized(Nc, rows, Dv, eps, out + i0 * Dv);
-    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);      // S' += phi(K_c)^T V'_c
+    sum.add(Kc, Vc, rows, D, E, S);                                     // S' += phi(K_c)^T V'_c
   }
   if (st.end_S != nullptr) store_state(S, D, Dv, st.end_S, st.end_z);
 }
@@ -273,7 +322,7 @@ template <typename scalar_t, typename acc_t>
 void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
                              const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
                              acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, const HeadState<acc_t>& initial,
-                             const HeadState<acc_t>& reverse, std::vector<acc_t>& ws) {
+                             const HeadState<acc_t>& reverse, std::vector<acc_t>& ws, StateSum<acc_t>& sum) {
   const int64_t D = s.D, Dv = s.Dv, E = Dv + 1, C = kChunk;
   ws.resize(2 * C * D + 2 * C * E + 2 * D * E);
   acc_t* X = ws.data();      // phi(Q) or phi(K) block
@@ -284,7 +333,8 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
   acc_t* R = S + D * E;
   initial.start.load(initial.b, initial.h, D, Dv, S);
   reverse.start.load(reverse.b, reverse.h, D, Dv, R);
-  accumulate_state(s, k, sk, v, sv, padded, X, Y, S);
+  accumulate_state(s, k, sk, v, sv, padded, X, Y, S, sum);
+  sum.start(R, D, E);
   for (int64_t i0 = 0; i0 < s.Nq; i0 += C) {
     const int64_t rows = std::min(C, s.Nq - i0);
     load_rows(q + i0 * sq, sq, rows, D, static_cast<const bool*>(nullptr), true, false, X, D);
@@ -292,7 +342,7 @@ void backward_head_noncausal(const Sizes& s, const scalar_t* dout, int64_t sg, c
     gradient_of_normalization(Nc, dout + i0 * sg, sg, rows, Dv, eps, Y);
     matmul(false, true, rows, D, E, Y, E, S, E, acc_t(0), dX, D);   // d phi(Q) = G' S'^T
     store_input_grad(dX, X, rows, D, static_cast<const bool*>(nullptr), dq + i0 * D);
-    matmul(true, false, D, E, rows, X, D, Y, E, acc_t(1), R, E);    // R' += phi(Q)^T G'
+    sum.add(X, Y, rows, D, E, R);                                   // R' += phi(Q)^T G'
   }
   if (reverse.end_S != nullptr) store_state(R, D, Dv, reverse.end_S, reverse.end_z);  // dS'0 = R'
   for (int64_t j0 = 0; j0 < s.Nk; j0 += C) {
@@ -311,7 +361,7 @@ template <typename scalar_t, typename acc_t>
 void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, const scalar_t* q, int64_t sq,
                           const scalar_t* k, int64_t sk, const scalar_t* v, int64_t sv, const bool* padded,
                           acc_t eps, scalar_t* dq, scalar_t* dk, scalar_t* dv, const HeadState<acc_t>& initial,
-                          const HeadState<acc_t>& reverse, std::vector<acc_t>& ws) {
+                          const HeadState<acc_t>& reverse, std::vector<acc_t>& ws, StateSum<acc_t>& sum) {
   const int64_t N = s.Nq, D = s.D, Dv = s.Dv, E = Dv + 1, C = kCausalChunk;
   // Whole-sequence buffers (linear in N): phi(Q), phi(K), V', G', d phi(K), dv; then per-chunk scratch.
   ws.resize(3 * N * D + 2 * N * E + N * Dv + 2 * C * C + C * E + C * D + D * E);
@@ -330,6 +380,7 @@ void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, cons
   load_rows(k, sk, N, D, padded, true, false, K, D);
   load_rows(v, sv, N, Dv, padded, false, true, V, E);
   initial.start.load(initial.b, initial.h, D, Dv, S);
+  sum.start(S, D, E);
   for (int64_t i0 = 0; i0 < N; i0 += C) {
     const int64_t rows = std::min(C, N - i0);
     const acc_t* Qc = Q + i0 * D;
@@ -348,15 +399,16 @@ void backward_head_causal(const Sizes& s, const scalar_t* dout, int64_t sg, cons
     store_input_grad(dQc, Qc, rows, D, static_cast<const bool*>(nullptr), dq + i0 * D);
     matmul(true, false, rows, D, rows, dW, C, Qc, D, acc_t(0), dK + i0 * D, D);   // d phi(K_c) = dW^T phi(Q_c)
     matmul(true, false, rows, Dv, rows, A, C, Gc, E, acc_t(0), dV + i0 * Dv, Dv);  // dv_c = A^T G'_c
-    matmul(true, false, D, E, rows, Kc, D, Vc, E, acc_t(1), S, E);  // S' += phi(K_c)^T V'_c
+    sum.add(Kc, Vc, rows, D, E, S);  // S' += phi(K_c)^T V'_c
   }
   acc_t* R = S;
   reverse.start.load(reverse.b, reverse.h, D, Dv, R);
+  sum.start(R, D, E);
   for (int64_t i0 = N > 0 ? ((N - 1) / C) * C : -1; i0 >= 0; i0 -= C) {
     const int64_t rows = std::min(C, N - i0);
     matmul(false, true, rows, D, E, V + i0 * E, E, R, E, acc_t(1), dK + i0 * D, D);    // d phi(K_c) += V'_c R'^T
     matmul(false, false, rows, Dv, D, K + i0 * D, D, R, E, acc_t(1), dV + i0 * Dv, Dv);  // dv_c += phi(K_c) R
-    matmul(true, false, D, E, rows, Q + i0 * D, D, G + i0 * E, E, acc_t(1), R, E);     // R' += phi(Q_c)^T G'_c
+    sum.add(Q + i0 * D, G + i0 * E, rows, D, E, R);                                   // R' += phi(Q_c)^T G'_c
   }
   if (reverse.end_S != nullptr) store_state(R, D, Dv, reverse.end_S, reverse.end_z);  // dS'0 = R'
   store_input_grad(dK, K, N, D, padded, dk);
@@ -439,13 +491,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_attention_forward(
     acc_t* z_ptr = output_final_state ? final_z.mutable_data_ptr<acc_t>() : nullptr;
     at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> ws;
+      StateSum<acc_t> sum;
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / s.H, h = bh % s.H;
         const HeadState<acc_t> st{start, b, h, S_ptr ? S_ptr + bh * s.D * s.Dv : nullptr,
                                   z_ptr ? z_ptr + bh * s.D : nullptr};
         forward_head<scalar_t, acc_t>(s, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
                                       vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, is_causal,
-                                      static_cast<acc_t>(eps), out_ptr + bh * s.Nq * s.Dv, st, ws);
+                                      static_cast<acc_t>(eps), out_ptr + bh * s.Nq * s.Dv, st, ws, sum);
       }
     });
   });
@@ -492,6 +545,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_at
     acc_t* dz0_ptr = has_initial ? dz0.mutable_data_ptr<acc_t>() : nullptr;
     at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> ws;
+      StateSum<acc_t> sum;
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / s.H, h = bh % s.H;
         const HeadState<acc_t> initial{forward_start, b, h, nullptr, nullptr};
@@ -500,7 +554,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_at
         const auto kernel = is_causal ? backward_head_causal<scalar_t, acc_t> : backward_head_noncausal<scalar_t, acc_t>;
         kernel(s, gh.head(b, h), gh.stride_n, qh.head(b, h), qh.stride_n, kh.head(b, h), kh.stride_n, vh.head(b, h),
                vh.stride_n, mask_ptr ? mask_ptr + b * s.Nk : nullptr, static_cast<acc_t>(eps),
-               dq_ptr + bh * s.Nq * s.D, dk_ptr + bh * s.Nk * s.D, dv_ptr + bh * s.Nk * s.Dv, initial, reverse, ws);
+               dq_ptr + bh * s.Nq * s.D, dk_ptr + bh * s.Nk * s.D, dv_ptr + bh * s.Nk * s.Dv, initial, reverse, ws,
+               sum);
       }
     });
   });

@@ -30,7 +30,10 @@ in every tile: the forward tiles over Dv, dQ and dK over D, dV over Dv. g needs 
 dO . out, so the backward first runs the forward scan in "stats" mode, writing den and the
 per-Dv-tile partial dots dO . out (summed by the consumers).
 
-Precision: the states and every accumulation are fp32; tl.dot operands are fp32 (phi and the
+Precision: the states and every accumulation are fp32, and the carried states (T, t, z) are
+summed with a compensation term (Kahan: `_add_compensated`): added to in fp32 once per chunk, a
+state's rounding would grow with the sequence (its final z 2.7-6x the error of torch's summation
+at 2k-8k keys), where the compensated sum's stays that of one rounding. tl.dot operands are fp32 (phi and the
 1/den scaling are applied in fp32; fp16 states would overflow at long lengths). The dot precision
 follows the input dtype (`_precision`): ieee for fp32 (a GPU would otherwise use tf32 and miss the
 2x-reference-error policy), tf32x3 for fp16 (tf32 truncation misses it too), tf32 for bf16. ieee
@@ -78,6 +81,14 @@ def _load_phi_tile(ptr, rows, cols, stride_n, row_ok, col_ok):
     """phi of the tile, 0 outside it (phi(0) = 1 would otherwise leak padding into the sums)."""
     x = _load_tile(ptr, rows, cols, stride_n, row_ok, col_ok)
     return tl.where(row_ok[:, None] & col_ok[None, :], _phi(x), 0.0)
+
+
+@triton.jit
+def _add_compensated(total, comp, x):
+    """total + x with Kahan's compensation: comp carries what the fp32 total's roundings lost."""
+    y = x - comp
+    t = total + y
+    return t, (t - total) - y
 
 
 @triton.jit
@@ -147,6 +158,9 @@ def causal_scan_kernel(
     T = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
     t = tl.zeros((BLOCK_C,), dtype=tl.float32)
     z = tl.zeros((BLOCK_A,), dtype=tl.float32)  # forward only: sum of K', for the normaliser
+    T_comp = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)  # the compensation terms of T, t, z
+    t_comp = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    z_comp = tl.zeros((BLOCK_A,), dtype=tl.float32)
     if HAS_STATE:
         ST += b * stb + h * sth
         SZ += b * szb + h * szh
@@ -199,13 +213,13 @@ def causal_scan_kernel(
         y = tl.dot(w, c, input_precision=PRECISION) + tl.dot(a, T, input_precision=PRECISION)
         if HAS_ALPHA:
             y += alpha[:, None] * t[None, :]
-            t += tl.sum(beta[:, None] * c, axis=0)
-        T += tl.dot(tl.trans(bb), c, input_precision=PRECISION)
+            t, t_comp = _add_compensated(t, t_comp, tl.sum(beta[:, None] * c, axis=0))
+        T, T_comp = _add_compensated(T, T_comp, tl.dot(tl.trans(bb), c, input_precision=PRECISION))
         out_ptrs = OUT + rows[:, None] * NC + c_cols[None, :]
         out_mask = row_ok[:, None] & c_ok[None, :]
         if MODE == FWD_OUT or MODE == FWD_STATS:
             den = tl.sum(w, axis=1) + tl.sum(a * z[None, :], axis=1) + eps
-            z += tl.sum(bb, axis=0)
+            z, z_comp = _add_compensated(z, z_comp, tl.sum(bb, axis=0))
             out = y / den[:, None]
             if MODE == FWD_OUT:
                 tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)
@@ -261,6 +275,8 @@ def state_kernel(
     c_ok = c_cols < DV
     T = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
     t = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    T_comp = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
+    t_comp = tl.zeros((BLOCK_A,), dtype=tl.float32)
     for it in range(0, chunks_per_split):
         rows = (pid_s * chunks_per_split + it) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = _key_ok(KPM, smn, rows, rows < N, HAS_MASK)
@@ -268,10 +284,11 @@ def state_kernel(
         y = _load_tile(Y, rows, c_cols, syn, row_ok, c_ok)
         if BACKWARD:
             y = y / tl.load(DEN + rows, mask=row_ok, other=1.0)[:, None]
-            t += tl.sum(x * tl.load(G + rows, mask=row_ok, other=0.0)[:, None], axis=0)
+            t, t_comp = _add_compensated(t, t_comp, tl.sum(x * tl.load(G + rows, mask=row_ok, other=0.0)[:, None],
+                                                           axis=0))
         else:
-            t += tl.sum(x, axis=0)
-        T += tl.dot(tl.trans(x), y, input_precision=PRECISION)
+            t, t_comp = _add_compensated(t, t_comp, tl.sum(x, axis=0))
+        T, T_comp = _add_compensated(T, T_comp, tl.dot(tl.trans(x), y, input_precision=PRECISION))
     split = pid_bh * tl.num_programs(2) + pid_s
     tl.store(WS_T + split * D * DV + a_cols[:, None] * DV + c_cols[None, :], T, mask=a_ok[:, None] & c_ok[None, :])
     if pid_c == 0:

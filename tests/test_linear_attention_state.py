@@ -15,7 +15,7 @@ from transformer_fast import _backends, _explicit, reference
 from transformer_fast.linear_attention import LinearAttentionState
 
 from attention_cases import make_qkv, random_key_padding
-from helpers import assert_close_to_reference, max_error
+from helpers import assert_close_to_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPP_REASON = tf.available_backends()["cpp"]
@@ -191,6 +191,25 @@ def test_without_initial_state_the_final_state_is_the_keys_sums(backend):
 # ----------------------------------------------------------------------------------------------
 # Carrying the state: split prefill, token-by-token decoding
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", [CPP, TRITON])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_final_state_of_a_long_sequence_within_the_rule(backend, is_causal):
+    """The final state after 8,192 keys (z sums positive terms, and values with a mean make S do so
+    too) within the 2x rule: summed in float32 as it grows, its rounding grew with the length (the
+    C++ final z 2.6-6x torch's summation error at 20k keys, Triton's 2.7-6x at 2k-8k)."""
+    device = _device(backend)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 1, 8192, 16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 1, 8192, 16, generator=gen) + 0.5
+    _, state = tf.linear_attention(*(t.to(device) for t in (q, k, v)), is_causal=is_causal, output_final_state=True,
+                                   backend=backend)
+    exact = reference.linear_attention(q.double(), k.double(), v.double(), is_causal=is_causal,
+                                       output_final_state=True)[1]
+    rounded = reference.linear_attention(q, k, v, is_causal=is_causal, output_final_state=True)[1]
+    for name, got, ref64, ref32 in zip("Sz", state, exact, rounded):
+        assert_close_to_reference(got.cpu(), ref64, ref32, what=f"final {name}")
+
+
 def _split_run(fn, q, k, v, S0, z0, mask, cuts):
     """(out, S, z) of the causal call over [0, N) cut at `cuts`, each part starting from the state
     the previous part left."""
@@ -216,8 +235,8 @@ def _prefill(backend):
 def test_split_prefill_equals_one_call(backend, where):
     """Outputs, the final state and every gradient (q, k, v and the initial state, for a loss on
     the outputs and the final state) of a causal prefill cut into calls that carry the state equal
-    those of one call; the C++ kernel's chunks carry the same state, so cut at a chunk boundary
-    its results are bit for bit those of one call."""
+    those of one call, to the rounding of the carried state (float32 between calls; the C++ kernel
+    sums it in float64 within a call)."""
     device = _device(backend)
     # (N, cuts): the C++ kernel's chunks are 64 tokens, the fp32 Triton scan's 16 (shorter: interpreter time)
     N, cuts = {("at-a-chunk", False): (129, (64,)), ("anywhere", False): (129, (50, 51, 100)),
@@ -238,12 +257,8 @@ def test_split_prefill_equals_one_call(backend, where):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, S0, z0)]
         outs = run(*leaves)
         results.append([o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, upstream)))
-    exact = backend == "cpp" and where == "at-a-chunk"
     for name, one, split in zip(("out", "S", "z", "dq", "dk", "dv", "dS0", "dz0"), *results):
-        if exact:
-            assert torch.equal(one, split), f"{name}: {max_error(one, split):.2e}"
-        else:
-            torch.testing.assert_close(split, one, rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(split, one, rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=TRITON.marks)])
