@@ -140,3 +140,27 @@ def compare_logits_and_grads(ref, ours, inputs):
             assert a is None, name
         else:
             torch.testing.assert_close(a, b, **MODEL_TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def check_seeded_draw(draw, check, seed, backend="cpp", device="cpu", **kwargs):
+    """check(draw(seed, **kwargs), backend, device) for a fuzz module's random call, on the drawn
+    backend where `backend` is "cpp" (named, "auto" or a module, as the draw says); a failure names
+    the seed and the configuration, so the module's check_draw(seed) reruns it."""
+    c = draw(seed, **kwargs)
+    c["backend"] = backend = c["backend"] if backend == "cpp" else backend
+    torch.manual_seed(seed)
+    try:
+        check(c, backend, device)
+    except AssertionError as e:
+        raise AssertionError(f"draw {seed} ({c}): {e}") from e
+
+
+def check_seeded_draws(draw, check, seeds, *args, **kwargs):
+    """check_seeded_draw for every seed; fails naming every failing draw, not only the first."""
+    failures = []
+    for seed in seeds:
+        try:
+            check_seeded_draw(draw, check, seed, *args, **kwargs)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert not failures, f"{len(failures)} of {len(seeds)} draws failed:\n" + "\n".join(failures)

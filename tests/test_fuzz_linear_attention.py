@@ -28,7 +28,7 @@ from transformer_fast import reference
 from transformer_fast.linear_attention import LinearAttentionState
 
 from attention_cases import make_qkv
-from helpers import TRITON_TESTS, assert_close_to_reference, kernel_device
+from helpers import TRITON_TESTS, assert_close_to_reference, check_seeded_draw, check_seeded_draws, kernel_device
 
 pytestmark = pytest.mark.slow
 
@@ -277,24 +277,11 @@ def check(c, backend, device="cpu"):
 
 def check_draw(seed, backend="cpp", device="cpu", **kwargs):
     """Draw `seed` on the C++ backend (named or "auto", as drawn) or on `backend`."""
-    c = draw(seed, **kwargs)
-    c["backend"] = backend = c["backend"] if backend == "cpp" else backend
-    torch.manual_seed(seed)
-    try:
-        check(c, backend, device)
-    except AssertionError as e:
-        raise AssertionError(f"draw {seed} ({c}): {e}") from e
+    check_seeded_draw(draw, check, seed, backend, device, **kwargs)
 
 
 def check_draws(seeds, *args, **kwargs):
-    """check_draw for every seed; fails naming every failing draw, not only the first."""
-    failures = []
-    for seed in seeds:
-        try:
-            check_draw(seed, *args, **kwargs)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, f"{len(failures)} of {len(seeds)} draws failed:\n" + "\n".join(failures)
+    check_seeded_draws(draw, check, seeds, *args, **kwargs)
 
 
 @pytest.mark.parametrize("block", range(15))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import transformer_fast as tf
 from transformer_fast import reference
 
-from helpers import TRITON_TESTS, assert_close_to_reference, kernel_device
+from helpers import TRITON_TESTS, assert_close_to_reference, check_seeded_draw, check_seeded_draws, kernel_device
 
 pytestmark = pytest.mark.slow
 
@@ -283,24 +283,11 @@ def check(c, backend, device="cpu"):
 
 def check_draw(seed, backend="cpp", device="cpu", **kwargs):
     """Draw `seed` on the C++ backend (named, "auto" or a module, as drawn) or on `backend`."""
-    c = draw(seed, **kwargs)
-    c["backend"] = backend = c["backend"] if backend == "cpp" else backend
-    torch.manual_seed(seed)
-    try:
-        check(c, backend, device)
-    except AssertionError as e:
-        raise AssertionError(f"draw {seed} ({c}): {e}") from e
+    check_seeded_draw(draw, check, seed, backend, device, **kwargs)
 
 
 def check_draws(seeds, *args, **kwargs):
-    """check_draw for every seed; fails naming every failing draw, not only the first."""
-    failures = []
-    for seed in seeds:
-        try:
-            check_draw(seed, *args, **kwargs)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, f"{len(failures)} of {len(seeds)} draws failed:\n" + "\n".join(failures)
+    check_seeded_draws(draw, check, seeds, *args, **kwargs)
 
 
 @pytest.mark.parametrize("block", range(40))
