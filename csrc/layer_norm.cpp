@@ -152,7 +152,7 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
       load_h(j, N - j, ha, hb);
       sumsq += lane_sum(ha * ha + hb * hb);  // the padding lanes hold 0
     }
-    rstd = static_cast<float>(1.0 / std::sqrt(sumsq / static_cast<double>(N) + eps));  // one rounding
+    rstd = 1.f / std::sqrt(static_cast<float>(sumsq / static_cast<double>(N)) + eps);
   } else {
     // Sums of (h - s) and (h - s)^2 per block, s = the mean of the block's first kStep values:
     // the moments of values near 0, and (block mean - s)^2 / block variance, the cancellation
@@ -193,7 +193,7 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
     const double var = std::max(m.m2 / static_cast<double>(N), 0.0);
     *mean_out = static_cast<float>(m.mean);
     mean_from_shift = static_cast<float>(m.mean - shift);
-    rstd = static_cast<float>(1.0 / std::sqrt(var + eps));
+    rstd = 1.f / std::sqrt(static_cast<float>(var) + eps);
   }
   *rstd_out = rstd;
 
