@@ -33,8 +33,8 @@ per-Dv-tile partial dots dO . out (summed by the consumers).
 Precision: the states and every accumulation are fp32, and the carried states (T, t, z) are
 summed with a compensation term (Kahan: `_add_compensated`): added to in fp32 once per chunk, a
 state's rounding would grow with the sequence (its final z 2.7-6x the error of torch's summation
-at 2k-8k keys), where the compensated sum's stays that of one rounding. tl.dot operands are fp32 (phi and the
-1/den scaling are applied in fp32; fp16 states would overflow at long lengths). The dot precision
+at 2k-8k keys), where the compensated sum's stays that of one rounding. tl.dot operands are fp32
+(phi and the 1/den scaling are applied in fp32; fp16 states would overflow at long lengths). The dot precision
 follows the input dtype (`_precision`): ieee for fp32 (a GPU would otherwise use tf32 and miss the
 2x-reference-error policy), tf32x3 for fp16 (tf32 truncation misses it too), tf32 for bf16. ieee
 dots run on FMA units and need whole operand rows per thread, so they get their own small blocks
