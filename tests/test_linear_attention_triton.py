@@ -1,4 +1,5 @@
-"""The Triton linear-attention kernels (kernels/linear_attention.py) against the float64 reference.
+"""The Triton linear-attention kernels (kernels/linear_attention_kernels.py, launched by
+kernels/linear_attention.py) against the float64 reference.
 
 Without a GPU they run under the Triton interpreter on CPU tensors (small shapes); the `gpu`
 tests run the full grid on CUDA."""
