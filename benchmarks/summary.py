@@ -25,6 +25,10 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "compile-check-attention-atomic-dq-2026-11-27.txt": "the attention dK/dV kernel adding dQ atomically "
+                                                        "(TRANSFORMER_FAST_ATOMIC_DQ=1) against the same tiles "
+                                                        "without it, compiled for sm_80 and sm_90: registers and "
+                                                        "spills",
     "cpu-linear-state-sum-2026-11-27.txt": "linear attention's final state summed in float64 (C++) and with Kahan "
                                            "compensation (Triton): final z within torch's summation error at 200-20k "
                                            "keys (was 2-6.5x); C++ time unchanged (0.94-1.02x, one thread); Triton "

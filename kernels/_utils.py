@@ -116,6 +116,14 @@ def new_output_in_rows_of(like, width):
     return new_output((B, H, N, width), like.dtype, like.device)
 
 
+def new_scratch_in_rows_of(like, width, dtype, zero=False):
+    """new_scratch laid out as new_output_in_rows_of(like, width) would be."""
+    B, H, N, _ = like.shape
+    if strides_in_rows_of(like)[0]:
+        return new_scratch((B, N, H, width), dtype, like.device, zero).transpose(1, 2)
+    return new_scratch((B, H, N, width), dtype, like.device, zero)
+
+
 def row_strides(t):
     """The (batch, head, row) strides of a (B, H, N, W) tensor in rows of W elements, or None where
     they are not whole rows (a last-dim stride other than 1, or a stride not a multiple of W)."""
@@ -125,10 +133,11 @@ def row_strides(t):
     return tuple(s // width for s in strides)
 
 
-def autotune(configs, key, early_config_prune):
+def autotune(configs, key, early_config_prune, reset_to_zero=None):
     """triton.autotune over `configs` (only the first under the interpreter, which cannot
     benchmark: a multi-config autotune raises "0 active drivers"), keyed on the kernel arguments
-    named in `key`, with `early_config_prune` choosing a call's candidates.
+    named in `key`, with `early_config_prune` choosing a call's candidates; `reset_to_zero` names
+    the arguments a kernel adds into, zeroed before each timed run and once after the timing.
 
     Where Triton has it (3.4 and later), cache_results=True keeps each tuned choice on disk, in
     Triton's cache directory (TRITON_CACHE_DIR), so a new process does not time the candidates
@@ -140,7 +149,8 @@ def autotune(configs, key, early_config_prune):
     import triton
 
     return triton.autotune(configs=configs[:1] if interpreting() else configs, key=key,
-                           prune_configs_by={"early_config_prune": early_config_prune}, **_autotune_cache_option())
+                           prune_configs_by={"early_config_prune": early_config_prune}, reset_to_zero=reset_to_zero,
+                           **_autotune_cache_option())
 
 
 def _autotune_cache_option():

@@ -28,15 +28,16 @@ accumulation.
 """
 
 import functools
+import os
 import types
 
 import torch
 
 from ._launch import CompiledLaunch, LaunchPlan, Plans, TunedLaunch, seed_class
-from ._utils import (LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch, row_strides,
-                     strides_in_rows_of)
-from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,  # noqa: F401
-                                 attention_bwd_preprocess_kernel)
+from ._utils import (LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch,
+                     new_scratch_in_rows_of, row_strides, strides_in_rows_of)
+from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_convert_kernel,  # noqa: F401
+                                 attention_bwd_dq_kernel, attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E
 from .attention_decode import attention_combine_kernel, combine_launch_shape, pack_gqa, plan_splits
 from .attention_forward import attention_fwd_kernel  # noqa: F401
@@ -122,8 +123,8 @@ def _scales(scale, softcap):
 # the autotuner; all launch the compiled kernel directly once Triton has made it for a call's pattern.
 launch_fwd, launch_dkdv, launch_dq = (TunedLaunch(k) for k in (attention_fwd_kernel, attention_bwd_dkdv_kernel,
                                                                attention_bwd_dq_kernel))
-launch_combine, launch_preprocess = CompiledLaunch(attention_combine_kernel), CompiledLaunch(
-    attention_bwd_preprocess_kernel)
+launch_combine, launch_preprocess, launch_dq_convert = (CompiledLaunch(k) for k in (
+    attention_combine_kernel, attention_bwd_preprocess_kernel, attention_bwd_dq_convert_kernel))
 
 
 def forget_tuned_choices():
@@ -298,10 +299,19 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
                 meta=meta)
 
 
+def _atomic_dq_requested():
+    """TRANSFORMER_FAST_ATOMIC_DQ=1: the dK/dV kernel also accumulates dQ, atomically, and the dQ
+    kernel is not launched (kernels/attention_backward.py); read when a call signature's plan is
+    made. Off by default until it is measured faster on a GPU."""
+    return os.environ.get("TRANSFORMER_FAST_ATOMIC_DQ", "").strip() == "1"
+
+
 def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, compute_dmask,
                    window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta):
     """attention_backward's launches for one call signature: which inputs need a contiguous copy,
-    the outputs' shapes, and the LaunchPlans of the preprocess, dK/dV and dQ kernels."""
+    the outputs' shapes, and the LaunchPlans of the preprocess, dK/dV and dQ kernels, and of the
+    dK/dV kernel accumulating dQ too (`dkdv_dq`: where requested and neither dS nor sum P dP is
+    wanted, which only the dQ kernel writes)."""
     Dv = v.shape[-1]
     dout_copy = Dv > 1 and dout.stride(-1) != 1
     if dout_copy:
@@ -332,10 +342,16 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
     key = (q.dtype, _dtype(attn_mask), _dtype(alibi_slopes), a["bucket"], *meta.values())
     seed_at = a["seed_at"]
     keys, rows = a["keys"], a["rows"]
-    dkdv_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s, *dv_s, *a["mask_strides"])
-    dkdv = LaunchPlan(lambda META: (max(1, cdiv(keys, META["BLOCK_N"])), Hk, batch),
-                      (*dkdv_scalars, *a["scalars"]), dict(**meta, **LAUNCH_OPTIONS), key=key,
-                      seed_at=len(dkdv_scalars) + seed_at)
+    dkdv_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dk_s, *dv_s, *dq_s, *a["mask_strides"])
+
+    def dkdv_plan(atomic_dq):
+        return LaunchPlan(lambda META: (max(1, cdiv(keys, META["BLOCK_N"])), Hk, batch),
+                          (*dkdv_scalars, *a["scalars"]), dict(**meta, ATOMIC_DQ=atomic_dq, **LAUNCH_OPTIONS),
+                          key=(*key, atomic_dq), seed_at=len(dkdv_scalars) + seed_at)
+    atomic_dq = (_atomic_dq_requested() and not compute_dmask and not compute_delta
+                 and not torch.are_deterministic_algorithms_enabled())
+    dq_numel = q.numel()
+    dq_convert = LaunchPlan((max(1, cdiv(dq_numel, 1024)),), (dq_numel,), dict(BLOCK=1024, **LAUNCH_OPTIONS))
     dq_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"])
     dq = LaunchPlan(lambda META: (max(1, cdiv(rows, META["BLOCK_M"])), H, batch),
                     (*dq_scalars, *a["scalars"]),
@@ -345,7 +361,8 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
                                  out_copy=out_copy, delta_shape=delta_shape,
                                  dmask_shape=(B, H, n_q, n_k) if compute_dmask else None,
                                  dmask_dtype=_dmask_dtype(attn_mask, q),
-                                 preprocess=preprocess, dkdv=dkdv, dq=dq)
+                                 preprocess=preprocess, dkdv=dkdv_plan(False), dq=dq,
+                                 dkdv_dq=dkdv_plan(True) if atomic_dq else None, dq_convert=dq_convert)
 
 
 _backward_plans = Plans(_backward_plan)
@@ -383,7 +400,14 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     masks = (_mask_bytes(attn_mask, q), _padding_bytes(key_padding_mask, q),
              q if alibi_slopes is None else alibi_slopes, q if cu_seq_q is None else cu_seq_q,
              q if cu_seq_k is None else cu_seq_k)
-    launch_dkdv.run(plan.dkdv, (q, k, v, dout, lse, delta, dk, dv, *masks), seed)
+    if plan.dkdv_dq is not None:
+        # dQ summed in float32 in dq's layout (the plan's strides), then rounded once into dq
+        dq_sum = (new_scratch(dq.shape, torch.float32, q.device, zero=True) if plan.packed else
+                  new_scratch_in_rows_of(q, q.shape[-1], torch.float32, zero=True))
+        launch_dkdv.run(plan.dkdv_dq, (q, k, v, dout, lse, delta, dk, dv, dq_sum, *masks), seed)
+        launch_dq_convert.run(plan.dq_convert, (dq_sum, dq))
+        return dq, dk, dv, dmask, pdp
+    launch_dkdv.run(plan.dkdv, (q, k, v, dout, lse, delta, dk, dv, dq, *masks), seed)
     launch_dq.run(plan.dq, (q, k, v, dout, lse, delta, dq, dq if dmask is None else dmask,
                             delta if pdp is None else pdp, *masks), seed)
     return dq, dk, dv, dmask, pdp

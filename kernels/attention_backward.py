@@ -1,10 +1,16 @@
 """The backward kernels of the Triton softmax attention (FlashAttention-2's equations), for dense
 batches and packed sequences: a preprocess computing delta = rowsum(dO * O); one program per key
 block accumulating dK and dV over the query blocks that may see it (and over the query heads
-sharing its key head under GQA, so no atomics anywhere); one program per query block
+sharing its key head under GQA, so no atomics there); one program per query block
 accumulating dQ over the key blocks it may see and, for a float mask that requires grad
 (STORE_DS), writing the score gradient dS; for the sinks' gradient (STORE_PDP), also each row's
 sum_j P_ij dP_ij from the fp32 P and dP.
+
+ATOMIC_DQ (opt-in: TRANSFORMER_FAST_ATOMIC_DQ=1, as FlashAttention-2's and cuDNN's backward do):
+the dK/dV program also forms each tile's dQ = dS K, which it already holds dS and K for, and adds
+it atomically to a float32 dQ; the dQ kernel, which recomputes P and dP for every tile, is not
+launched: 5 products per tile instead of 7, at the price of atomic traffic and an order of
+additions that changes from run to run (never with torch.use_deterministic_algorithms).
 
 Grids: dK/dV (key blocks, key heads, batch [+ 1 packed]), dQ (query blocks, query heads, batch
 [+ 1 packed]); the extra column of a packed layout zeroes the gradient rows after the last
@@ -21,8 +27,8 @@ import triton.language as tl
 from ._utils import autotune
 from .attention_common import (_dropout_keep, _key_ok, _key_tiles, _load_rows, _masked_count, _masked_tile,
                                _query_tiles, _scores, _sequence, _store_rows)
-from .attention_tiles import (DKDV_TILES_FP32, DKDV_TILES_LOWP, DQ_TILES_FP32, DQ_TILES_LOWP, DQ_TUNE_KEY, TUNE_KEY,
-                              dkdv_configs, dq_configs, pruner)
+from .attention_tiles import (DKDV_TILES_FP32, DKDV_TILES_LOWP, DKDV_TUNE_KEY, DQ_TILES_FP32, DQ_TILES_LOWP,
+                              DQ_TUNE_KEY, dkdv_configs, dq_configs, pruner)
 
 
 @triton.jit
@@ -44,6 +50,15 @@ def attention_bwd_preprocess_kernel(Out, DOut, Delta, stride_ob, stride_oh, stri
                     HEAD_DV, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_lb + h * stride_lh + m64 + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def attention_bwd_dq_convert_kernel(Src, Dst, n, BLOCK: tl.constexpr):
+    """Dst[i] = Src[i] in Dst's dtype for the n elements of two tensors laid out alike (ATOMIC_DQ's
+    float32 dQ sum into dQ)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(Dst + offs, tl.load(Src + offs, mask=ok).to(Dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -73,15 +88,17 @@ def _zero_rows(base, stride_n, first, count, step_start, step, HEAD: tl.constexp
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                mask_base, stride_maskm, stride_maskn, n_q, n_k, shift, win_left, win_right, slope2, qk_scale, softcap2,
-               seed, drop_offset, drop_stride, dropout_p,
+               seed, drop_offset, drop_stride, dropout_p, dq_base, stride_dqm, scale,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, CHECK: tl.constexpr,
                WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dK, dV of the key block at start_n += the contributions of query rows [start_m, start_m +
     BLOCK_M), on transposed (key, query) tiles. Keys out of range or padded are not masked here:
-    their rows of dK/dV are zeroed at the store, and key rows never mix in these products."""
+    their rows of dK/dV are zeroed at the store, and key rows never mix in these products. With
+    ATOMIC_DQ, also adds the tile's dQ = scale * dS K atomically to the fp32 rows at dq_base
+    (padded and out-of-range keys' dS zeroed first: a float mask may hold NaN there)."""
     mi = tl.arange(0, BLOCK_M)
     nj = tl.arange(0, BLOCK_N)[:, None]
     offs_m = start_m + mi
@@ -112,6 +129,12 @@ def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base
     if HAS_SOFTCAP:
         ds_t = ds_t * (1.0 - t_t * t_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        ds_t = tl.where(key_ok[:, None], ds_t, 0.0)
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * scale
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.atomic_add(dq_base + (m64 + mi[:, None]) * stride_dqm * HEAD_D + offs_d[None, :], dq,
+                      mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), sem="relaxed")
     return dk, dv
 
 
@@ -119,23 +142,24 @@ def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base
 _NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "n_seqs", "win_left", "win_right", "seed", "drop_stride", "LEN_BUCKET"]
 
 
-@autotune(dkdv_configs(), TUNE_KEY, pruner(DKDV_TILES_LOWP, DKDV_TILES_FP32))
+@autotune(dkdv_configs(), DKDV_TUNE_KEY, pruner(DKDV_TILES_LOWP, DKDV_TILES_FP32), reset_to_zero=["DQ"])
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def attention_bwd_dkdv_kernel(
-        Q, K, V, DOut, Lse, Delta, DK, DV, Mask, Pad, Alibi, CuQ, CuK,
+        Q, K, V, DOut, Lse, Delta, DK, DV, DQ, Mask, Pad, Alibi, CuQ, CuK,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
-        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqb, stride_dqh, stride_dqm,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn, stride_alb, stride_alh,
         H, GROUP, Nq, Nk, n_seqs, win_left, win_right, qk_scale, softcap2, scale, dropout_p, seed, drop_stride,
         LEN_BUCKET,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, LAYOUT: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, LAYOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dense (LAYOUT 0): Nq, Nk the lengths; packed (1): the packed row counts Tq, Tk and n_seqs = B.
-    DK's and DV's strides count rows of HEAD_D and HEAD_DV elements."""
+    DK's, DV's and DQ's strides count rows of HEAD_D and HEAD_DV elements. ATOMIC_DQ: DQ is a
+    zero-filled fp32 tensor to which every tile adds its dQ (the dQ kernel is then not launched)."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -184,6 +208,7 @@ def attention_bwd_dkdv_kernel(
         h64 = h.to(tl.int64)
         q_base = Q + q_row + h64 * stride_qh
         do_base = DOut + do_row + h64 * stride_doh
+        dq_base = DQ + (b64 * stride_dqb + h64 * stride_dqh + tl.cast(q_start, tl.int64) * stride_dqm) * HEAD_D
         lse_row0 = b64 * stride_lb + h64 * stride_lh + q_start
         mask_base = Mask + b64 * stride_maskb + h64 * stride_maskh + tl.cast(start_n, tl.int64) * stride_maskn
         slope2 = 0.0
@@ -195,24 +220,25 @@ def attention_bwd_dkdv_kernel(
                 dk, dv = _dkdv_tile(dk, dv, k, v, key_ok, _masked_tile(t, lo, a, bb, BLOCK_M), start_n, q_base,
                                     do_base, Lse + lse_row0, Delta + lse_row0, stride_qm, stride_dom, mask_base,
                                     stride_maskm, stride_maskn, n_q, n_k, shift, win_left, win_right, slope2, qk_scale,
-                                    softcap2, seed, drop_offset, drop_stride, dropout_p, HEAD_D, HEAD_DV, BLOCK_D,
-                                    BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, True, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND,
-                                    HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                                    softcap2, seed, drop_offset, drop_stride, dropout_p, dq_base, stride_dqm, scale,
+                                    HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, True, WINDOW_LEFT,
+                                    WINDOW_RIGHT, MASK_KIND, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                                    ATOMIC_DQ)
         elif IS_CAUSAL or WINDOW_RIGHT:  # checked: [lo, a) ([bb, hi) is empty)
             for start_m in tl.range(lo, a, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, Lse + lse_row0,
                                     Delta + lse_row0, stride_qm, stride_dom, mask_base, stride_maskm, stride_maskn,
                                     n_q, n_k, shift, win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset,
-                                    drop_stride, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                    IS_CAUSAL, True, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND, HAS_DROPOUT, HAS_SOFTCAP,
-                                    HAS_ALIBI, DOT_PRECISION)
+                                    drop_stride, dropout_p, dq_base, stride_dqm, scale, HEAD_D, HEAD_DV, BLOCK_D,
+                                    BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, True, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND,
+                                    HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
         for start_m in tl.range(a, bb, BLOCK_M):  # inside every key's band
             dk, dv = _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, Lse + lse_row0,
                                 Delta + lse_row0, stride_qm, stride_dom, mask_base, stride_maskm, stride_maskn, n_q,
                                 n_k, shift, win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset,
-                                drop_stride, dropout_p, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                IS_CAUSAL, False, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND, HAS_DROPOUT, HAS_SOFTCAP,
-                                HAS_ALIBI, DOT_PRECISION)
+                                drop_stride, dropout_p, dq_base, stride_dqm, scale, HEAD_D, HEAD_DV, BLOCK_D,
+                                BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL, False, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND,
+                                HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, ATOMIC_DQ)
 
     # Padded and out-of-range keys get no gradient (and whatever was computed for them is dropped).
     dk = tl.where(key_ok[:, None], dk * scale, 0.0)

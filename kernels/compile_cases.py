@@ -66,10 +66,10 @@ def _divisibility(fn, head_d, head_dv):
 # Feature letters of the case names: c causal, b/f bool/float mask (F: a float32 one with a
 # half-precision query), p padding, r dropout, s dS out,
 # L/R window left/right, t softcap, a ALiBi, k sinks, P packed, G paged, u seqused_k, S split,
-# g GQA heads packed in a program's rows, h outputs laid out (B, N, H, D).
+# g GQA heads packed in a program's rows, h outputs laid out (B, N, H, D), q dQ added atomically.
 _LETTERS = (("p", "pad"), ("r", "dropout"), ("s", "store_ds"), ("d", "store_pdp"), ("L", "window_left"),
             ("R", "window_right"), ("t", "softcap"), ("a", "alibi"), ("k", "sinks"), ("u", "seqused"),
-            ("S", "split"), ("g", "pack_gqa"), ("h", "heads_inside_rows"))
+            ("S", "split"), ("g", "pack_gqa"), ("h", "heads_inside_rows"), ("q", "atomic_dq"))
 
 
 def attention_cases():
@@ -96,6 +96,8 @@ def attention_cases():
                         LsePart="*fp32" if flags.get("split") else "*fp32")
         if flags.get("mask_fp32"):
             pointers["DS"] = "*fp32"  # dS is written in the mask's dtype
+        if flags.get("atomic_dq"):
+            pointers["DQ"] = "*fp32"  # the dK/dV kernel's float32 sum of dQ
         block_d, block_dv = tiles.block_dims(head_d, head_dv)
         constexprs = dict(HEAD_D=head_d, HEAD_DV=head_dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           IS_CAUSAL=bool(flags.get("causal")), MASK_KIND=mask_kind, HAS_PAD=bool(flags.get("pad")),
@@ -106,7 +108,8 @@ def attention_cases():
                           WINDOW_RIGHT=bool(flags.get("window_right")), HAS_SOFTCAP=bool(flags.get("softcap")),
                           HAS_ALIBI=bool(flags.get("alibi")), HAS_SINKS=bool(flags.get("sinks")), LAYOUT=layout,
                           HAS_SEQUSED=bool(flags.get("seqused")), SPLIT=bool(flags.get("split")),
-                          PACK_GQA=bool(flags.get("pack_gqa")), BLOCK_M=block_m, BLOCK_N=block_n)
+                          PACK_GQA=bool(flags.get("pack_gqa")), ATOMIC_DQ=bool(flags.get("atomic_dq")),
+                          BLOCK_M=block_m, BLOCK_N=block_n)
         # the launchers' own outputs have unit row strides (in rows of the head dim) where dense and
         # contiguous, unit head strides where packed or laid out (B, N, H, D) (transformer_fast/_layout.py);
         # Triton specializes an int argument equal to 1 as a constant
@@ -157,12 +160,20 @@ def attention_cases():
         add(attention.attention_bwd_dq_kernel, "attention_bwd_dq", dtype, cls, cls, table[cls][0], causal=True,
             mask_kind=2, pad=True, dropout=True, store_ds=True)
     _extras_cases(add, fwd, dkdv, dq)
+    _atomic_dq_cases(add, dkdv)
     preprocess = jit_function(attention.attention_bwd_preprocess_kernel)
     for dtype, dv, block in ((torch.float16, 64, 64), (torch.float32, 256, 32)):
         constexprs = dict(HEAD_DV=dv, BLOCK_DV=dv, BLOCK_M=block, stride_om=1)
         t = "*" + _TYPE[dtype]
         cases.append(dict(name=f"attention_bwd_preprocess[{_TYPE[dtype]},dv{dv},m{block}]", fn=preprocess,
                           signature=_attention_signature(preprocess, {"Out": t, "DOut": t, "Delta": "*fp32"},
+                                                         constexprs),
+                          constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
+    convert = jit_function(attention.attention_bwd_dq_convert_kernel)
+    for dtype in (torch.float16, torch.bfloat16):
+        constexprs = dict(BLOCK=1024)
+        cases.append(dict(name=f"attention_bwd_dq_convert[{_TYPE[dtype]}]", fn=convert,
+                          signature=_attention_signature(convert, {"Src": "*fp32", "Dst": "*" + _TYPE[dtype]},
                                                          constexprs),
                           constexprs=constexprs, num_warps=4, num_stages=1, expect_wgmma=False))
     combine = jit_function(attention.attention_combine_kernel)
@@ -228,6 +239,21 @@ def _extras_cases(add, fwd, dkdv, dq):
         add(dq[0], dq[1], torch.bfloat16, 128, 128, tile, store_pdp=True, **_TRAINING_MIXES[1])
     add(dq[0], dq[1], torch.float16, 64, 64, dq[2][64][0], pad=True, dropout=True, store_pdp=True)
     add(dq[0], dq[1], torch.float32, 64, 64, dq[3][64][0], causal=True, window_left=True, store_pdp=True)
+
+
+def _atomic_dq_cases(add, dkdv):
+    """The dK/dV kernel adding dQ atomically (TRANSFORMER_FAST_ATOMIC_DQ): every fp16/bf16 tile,
+    causal on the first of head dims 64 and 128; fp32 with causal + padding + bool mask; a float
+    mask with padding and dropout; packed causal-window training with soft-capping."""
+    kernel, name, lowp, fp32 = dkdv
+    for cls, dtype in ((64, torch.bfloat16), (128, torch.float16), (256, torch.bfloat16)):
+        for tile in lowp[cls]:
+            add(kernel, name, dtype, cls, cls, tile, atomic_dq=True)
+        if cls < 256:
+            add(kernel, name, dtype, cls, cls, lowp[cls][0], atomic_dq=True, causal=True)
+    add(kernel, name, torch.float32, 64, 64, fp32[64][0], atomic_dq=True, causal=True, mask_kind=1, pad=True)
+    add(kernel, name, torch.bfloat16, 128, 128, lowp[128][0], atomic_dq=True, mask_kind=2, pad=True, dropout=True)
+    add(kernel, name, torch.bfloat16, 64, 64, lowp[64][0], atomic_dq=True, **_TRAINING_MIXES[1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -318,7 +318,8 @@ def record_launches(monkeypatch):
 
     for attr, name in (("launch_fwd", "attention_fwd_kernel"), ("launch_combine", "attention_combine_kernel"),
                        ("launch_preprocess", "attention_bwd_preprocess_kernel"),
-                       ("launch_dkdv", "attention_bwd_dkdv_kernel"), ("launch_dq", "attention_bwd_dq_kernel")):
+                       ("launch_dkdv", "attention_bwd_dkdv_kernel"), ("launch_dq", "attention_bwd_dq_kernel"),
+                       ("launch_dq_convert", "attention_bwd_dq_convert_kernel")):
         monkeypatch.setattr(ka, attr, Recorded(name))
     return launches
 

@@ -398,11 +398,11 @@ def test_autotune_keeps_choices_on_disk_where_triton_can(monkeypatch):
 
     passed = []
 
-    def autotune_with_cache(configs, key, prune_configs_by=None, cache_results=False):
+    def autotune_with_cache(configs, key, prune_configs_by=None, reset_to_zero=None, cache_results=False):
         passed.append(cache_results)
         return lambda fn: fn
 
-    def autotune_without_cache(configs, key, prune_configs_by=None):
+    def autotune_without_cache(configs, key, prune_configs_by=None, reset_to_zero=None):
         passed.append("absent")
         return lambda fn: fn
 

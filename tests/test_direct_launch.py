@@ -6,6 +6,7 @@ launcher with the same grid, stream and arguments, for arguments that differ in 
 Triton specialises on (dtype, alignment, ints equal to 1, divisible by 16, wider than 32 bits)."""
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -148,7 +149,9 @@ def test_native_calls_replay_what_the_python_kernels_launch():
     result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("native: same") == 15 and result.stdout.count("Python kernel") == 2, result.stdout
+    assert result.stdout.count("native: same") == 16 and result.stdout.count("Python kernel") == 2, result.stdout
+    # with TRANSFORMER_FAST_ATOMIC_DQ: the preprocess, dK/dV and the float32 sum's conversion (no dQ kernel)
+    assert re.search(r"dQ added atomically +attention_backward +3 launches native: same", result.stdout), result.stdout
     assert result.stdout.rstrip().endswith("layer_norm_forward   ValueError"), result.stdout
 
 

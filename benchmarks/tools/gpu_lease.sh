@@ -10,6 +10,9 @@
 #              csrc/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
 #              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
+#   atomic_dq  the attention backward with dQ added atomically by the dK/dV kernel
+#              (TRANSFORMER_FAST_ATOMIC_DQ=1, opt-in): its gpu tests, then device time per kernel of
+#              one forward+backward without it and with it, each against torch's (tools/profile_attention_gpu)
 #   layer_norm the sweep's LayerNorm rows on the GPU, ours against torch
 #   attention_rows the sweep's softmax attention rows on the GPU (N = 1k-16k, bf16, B=4 H=16 D=64):
 #              ours against torch's SDPA as it chooses
@@ -125,6 +128,18 @@ stage_kernels() {
     echo "profile_attention_gpu exit $?"
     grep -E "^==|^  (ours|torch):" "$OUT/kernels.log"
 }
+stage_atomic_dq() {
+    timeout -s INT "$(cap 120)" python3 -m pytest -m gpu tests/test_attention_atomic_dq.py -q -rfE --tb=short \
+        -p no:cacheprovider >"$OUT/atomic_dq_tests.log" 2>&1
+    echo "atomic dQ tests exit $?"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/atomic_dq_tests.log" | tail -10
+    for atomic in 0 1; do
+        TRANSFORMER_FAST_ATOMIC_DQ=$atomic timeout -s INT "$(cap 60)" python3 -m benchmarks.tools.profile_attention_gpu \
+            >"$OUT/atomic_dq_$atomic.log" 2>&1
+        echo "profile_attention_gpu (TRANSFORMER_FAST_ATOMIC_DQ=$atomic) exit $?"
+        grep -E "^==|^  (ours|torch):" "$OUT/atomic_dq_$atomic.log"
+    done
+}
 stage_layer_norm() { timeout -s INT "$(cap 60)" "${BENCH[@]}" --only layer_norm --device cuda 2>&1 | tail -14; }
 stage_ln_bwd() {
     timeout -s INT "$(cap 120)" python3 -m benchmarks.tools.sweep_layer_norm_bwd_gpu \
@@ -160,7 +175,7 @@ stage_grids() {
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,utilization.gpu --format=csv,noheader
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(install check packed layer_norm attention_rows fwd_tiles tests ln_bwd attention llama models host kernels ncu direct host_direct host_run grids)
+[ ${#stages[@]} -eq 0 ] && stages=(install check packed atomic_dq layer_norm attention_rows fwd_tiles tests ln_bwd attention llama models host kernels ncu direct host_direct host_run grids)
 for stage in "${stages[@]}"; do
     if [ "$(left)" -le 5 ]; then echo "== $stage: skipped, deadline reached"; continue; fi
     echo "== $stage (at ${SECONDS}s, $(left)s left)"

@@ -35,6 +35,7 @@ through torch.ops from Python, which parses the arguments; a model's calls come 
 public ops' composite and autograd kernels) and do not pay that.
 """
 import argparse
+import contextlib
 import os
 import struct
 import sys
@@ -99,6 +100,13 @@ def _cases():
         return (do, q, k, v, out, lse, None, None, True, 0.25, 0.0, None, False, [-1, -1], 0.0, None, None, None, 0, 0,
                 False)
 
+    def atomic_dq_backward(i):  # TRANSFORMER_FAST_ATOMIC_DQ (_CASE_ENV): a float32 dQ sum (zero-filled), converted
+        q, do = (randn(2, 17, 2, 24).transpose(1, 2) for _ in range(2))
+        k, v = randn(2, 2, 33, 24), randn(2, 2, 33, 24)
+        out, lse = randn(2, 2, 17, 24), randn(2, 2, 17)
+        return (do, q, k, v, out, lse, None, torch.rand(2, 33) > 0.7, True, 0.2, 0.0, None, False, [-1, -1], 0.0,
+                None, None, None, 0, 0, False)
+
     def packed_backward(i):  # delta (zero-filled)
         q, k, v, do = randn(30, 4, 16), randn(41, 2, 16), randn(41, 2, 16), randn(30, 4, 16)
         out, lse = randn(30, 4, 16), randn(4, 30)
@@ -138,6 +146,7 @@ def _cases():
         "attention backward, float mask, dropout, dS": ("attention_backward", backward),
         "attention backward, copies of dout, out, lse": ("attention_backward", backward_copies),
         "attention backward, packed, delta": ("attention_backward", packed_backward),
+        "attention backward, dQ added atomically": ("attention_backward", atomic_dq_backward),
         "layer_norm forward, residual, (B, T, C)": ("layer_norm_forward", norm_residual_3d),
         "layer_norm forward, strided weight, bf16 bias": ("layer_norm_forward", norm_strided_weight),
         "rms_norm forward": ("layer_norm_forward", rms),
@@ -145,6 +154,25 @@ def _cases():
         "layer_norm backward, looped rows": ("layer_norm_backward", norm_backward_looped),
         "rms_norm backward, dh, no weight": ("layer_norm_backward", rms_backward),
     }
+
+
+# Environment a case's plans are made in (read when a plan is made, so set around the whole case).
+_CASE_ENV = {"attention backward, dQ added atomically": {"TRANSFORMER_FAST_ATOMIC_DQ": "1"}}
+
+
+@contextlib.contextmanager
+def _environment(values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+        _forget_plans()
 
 
 _NATIVE_NAMESPACE = "transformer_fast_native"  # twin ops whose CPU kernels are native calls
@@ -304,30 +332,31 @@ def check():
     lib = library()
     failures = 0
     for name, (op, make) in _cases().items():
-        args = _prepare(native[op], make)
-        recipes, replayed = _stats(op)
-        address_slots = _count_params()
-        inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        lib.recording_clear()
-        launches.clear()
-        theirs_out = kernels[op](*args)
-        theirs, unpacked = library_launches(), len(launches)
-        lib.recording_clear()
-        python_kernel = _native_calls._kernels[op]
-        _native_calls._kernels[op] = None  # a native call that ran the Python kernel would fail
-        try:
-            ours_out = native[op](*args)
-        except TypeError:
-            ours_out = None
-        finally:
-            _native_calls._kernels[op] = python_kernel
-        ours = library_launches()
-        same = (recipes == 1 and unpacked == 0 and ours_out is not None and _stats(op)[1] == replayed + 1 and
-                [_metadata(t) for t in theirs_out] == [_metadata(t) for t in ours_out] and
-                all(_same_contents(a, b) for a, b in zip(theirs_out, ours_out)) and
-                _same_launches(theirs, ours, address_slots, inputs, theirs_out, ours_out))
-        print(f"{name:<50} {op:<20} {len(ours)} launches native: {'same' if same else 'DIFFERENT'}")
-        failures += not same
+        with _environment(_CASE_ENV.get(name, {})):
+            args = _prepare(native[op], make)
+            recipes, replayed = _stats(op)
+            address_slots = _count_params()
+            inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            lib.recording_clear()
+            launches.clear()
+            theirs_out = kernels[op](*args)
+            theirs, unpacked = library_launches(), len(launches)
+            lib.recording_clear()
+            python_kernel = _native_calls._kernels[op]
+            _native_calls._kernels[op] = None  # a native call that ran the Python kernel would fail
+            try:
+                ours_out = native[op](*args)
+            except TypeError:
+                ours_out = None
+            finally:
+                _native_calls._kernels[op] = python_kernel
+            ours = library_launches()
+            same = (recipes == 1 and unpacked == 0 and ours_out is not None and _stats(op)[1] == replayed + 1 and
+                    [_metadata(t) for t in theirs_out] == [_metadata(t) for t in ours_out] and
+                    all(_same_contents(a, b) for a, b in zip(theirs_out, ours_out)) and
+                    _same_launches(theirs, ours, address_slots, inputs, theirs_out, ours_out))
+            print(f"{name:<50} {op:<20} {len(ours)} launches native: {'same' if same else 'DIFFERENT'}")
+            failures += not same
     return failures + check_signatures(native)
 
 
@@ -337,15 +366,16 @@ def measure(rounds, n):
     lib = library()
     print(f"{'op kernel (CUDA key), host us per call':<50} {'Python':>9} {'+ disp.':>9} {'native':>9}")
     for name, (op, make) in _cases().items():
-        args = _prepare(native[op], make)
-        calls = {"Python": lambda: kernels[op](*args), "dispatched": lambda: dispatched[op](*args),
-                 "native": lambda: native[op](*args)}
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(rounds):
-            for mode, call in calls.items():
-                best[mode] = min(best[mode], _per_call_us(call, n))
-                launches.clear()
-                lib.recording_clear()
+        with _environment(_CASE_ENV.get(name, {})):
+            args = _prepare(native[op], make)
+            calls = {"Python": lambda: kernels[op](*args), "dispatched": lambda: dispatched[op](*args),
+                     "native": lambda: native[op](*args)}
+            best = dict.fromkeys(calls, float("inf"))
+            for _ in range(rounds):
+                for mode, call in calls.items():
+                    best[mode] = min(best[mode], _per_call_us(call, n))
+                    launches.clear()
+                    lib.recording_clear()
         print(f"{name:<50} {best['Python']:6.1f} us {best['dispatched']:6.1f} us {best['native']:6.1f} us")
 
 
