@@ -107,21 +107,22 @@ def strides_in_rows_of(like):
     return False, (rows_h * rows_n, rows_n, 1)
 
 
-def new_output_in_rows_of(like, width):
-    """new_output for an attention result of width ``width`` in the row order of ``like`` (B, H, N, *)
-    (strides_in_rows_of)."""
+def _in_rows_of(like, width, new):
+    """new(shape) as a (B, H, N, width) tensor in the row order of ``like`` (strides_in_rows_of)."""
     B, H, N, _ = like.shape
     if strides_in_rows_of(like)[0]:
-        return new_output((B, N, H, width), like.dtype, like.device).transpose(1, 2)
-    return new_output((B, H, N, width), like.dtype, like.device)
+        return new((B, N, H, width)).transpose(1, 2)
+    return new((B, H, N, width))
+
+
+def new_output_in_rows_of(like, width):
+    """new_output for an attention result of width ``width`` in the row order of ``like`` (B, H, N, *)."""
+    return _in_rows_of(like, width, lambda shape: new_output(shape, like.dtype, like.device))
 
 
 def new_scratch_in_rows_of(like, width, dtype, zero=False):
     """new_scratch laid out as new_output_in_rows_of(like, width) would be."""
-    B, H, N, _ = like.shape
-    if strides_in_rows_of(like)[0]:
-        return new_scratch((B, N, H, width), dtype, like.device, zero).transpose(1, 2)
-    return new_scratch((B, H, N, width), dtype, like.device, zero)
+    return _in_rows_of(like, width, lambda shape: new_scratch(shape, dtype, like.device, zero))
 
 
 def row_strides(t):

@@ -350,8 +350,8 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
                           key=(*key, atomic_dq), seed_at=len(dkdv_scalars) + seed_at)
     atomic_dq = (_atomic_dq_requested() and not compute_dmask and not compute_delta
                  and not torch.are_deterministic_algorithms_enabled())
-    dq_numel = q.numel()
-    dq_convert = LaunchPlan((max(1, cdiv(dq_numel, 1024)),), (dq_numel,), dict(BLOCK=1024, **LAUNCH_OPTIONS))
+    dq_convert = (LaunchPlan((max(1, cdiv(q.numel(), 1024)),), (q.numel(),), dict(BLOCK=1024, **LAUNCH_OPTIONS))
+                  if atomic_dq else None)
     dq_scalars = (*q_s, *k_s, *v_s, *do_s, *lse_s, *dq_s, *a["mask_strides"])
     dq = LaunchPlan(lambda META: (max(1, cdiv(rows, META["BLOCK_M"])), H, batch),
                     (*dq_scalars, *a["scalars"]),
