@@ -4,6 +4,7 @@ The kernels are compiled for real (sm_90, as the compile check does) and launche
 recording driver: Triton's `run` and the direct launch must call the same compiled kernel's
 launcher with the same grid, stream and arguments, for arguments that differ in every way
 Triton specialises on (dtype, alignment, ints equal to 1, divisible by 16, wider than 32 bits)."""
+import functools
 import os
 import random
 import re
@@ -11,6 +12,7 @@ import struct
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,8 +39,37 @@ def scaled_copy(X, Y, stride_x, stride_y, n, alpha, flag, BLOCK: tl.constexpr, S
     tl.store(Y + offs * stride_y, x * SCALE, mask=offs < n)
 
 
+_PATCHABLE = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base, tl.condition, tl.dtype)
+# triton.language as collected, before any test ran a kernel under the interpreter
+_PRISTINE = {(owner, name): value for owner in _PATCHABLE for name, value in vars(owner).items()}
+
+
+def _from_interpreter(value):
+    """Whether `value` is one of the interpreter's replacements (a function of its module; not the
+    jit functions, which are InterpretedFunction objects in this process)."""
+    fn = value.func if isinstance(value, functools.partial) else value
+    return (isinstance(fn, types.FunctionType) and fn.__module__ == "triton.runtime.interpreter") or value is print
+
+
+def _unpatch_language():
+    """Puts back what Triton's interpreter left patched in triton.language (its device-function
+    calls patch without restoring), which would make a real compile here fail inside the
+    interpreter's operators ("'value' object has no attribute 'dtype'"); warns naming it."""
+    leaked = [(owner, name) for owner in _PATCHABLE for name, value in list(vars(owner).items())
+              if _from_interpreter(value)]
+    for owner, name in leaked:
+        if (owner, name) in _PRISTINE:
+            setattr(owner, name, _PRISTINE[owner, name])
+        else:
+            delattr(owner, name)
+    if leaked:
+        warnings.warn(f"triton.language was left patched by Triton's interpreter ({len(leaked)} members, e.g. "
+                      f"{leaked[0][1]}); restored before compiling for sm_90")
+
+
 @pytest.fixture
 def recording():
+    _unpatch_language()
     with recording_driver() as launches:
         yield launches
 
