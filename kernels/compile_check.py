@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -34,8 +36,16 @@ def _nvidia_bin(tool):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
 
 
+def _ptxas_counts(text: str):
+    """(registers, spill bytes) from ptxas -v's report, or None where it holds none."""
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", text)]
+    if not registers:
+        return None
+    return max(registers), sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
+
+
 def _ptxas_report(ptx: str):
-    """(registers, spill bytes) as Triton's ptxas reports them for the PTX."""
+    """(registers, spill bytes) as Triton's ptxas reports them for the PTX, running it again."""
     arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
     try:  # the ptxas Triton itself uses for this arch (Triton >= 3.5 uses a newer one for sm_90+)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -49,10 +59,27 @@ def _ptxas_report(ptx: str):
             f.write(ptx)
         result = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.path.join(tmp, "k.o")],
                                 capture_output=True, text=True, check=True)
-    text = result.stderr + result.stdout
-    registers = max((int(n) for n in re.findall(r"Used (\d+) registers", text)), default=0)
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
-    return registers, spills
+    return _ptxas_counts(result.stderr + result.stdout) or (0, 0)
+
+
+def _compile_reading_ptxas(source, target, options):
+    """triton.compile, and (registers, spill bytes) from the -v report of Triton's own ptxas run,
+    which it prints under TRITON_DUMP_PTXAS_LOG=1 (Triton >= 3.4); None where none was printed (a
+    kernel from Triton's cache, or an older Triton), for _ptxas_report to run ptxas again. Half
+    the time of a spilling kernel's build is ptxas: this saves running it twice."""
+    import triton
+
+    before = os.environ.get("TRITON_DUMP_PTXAS_LOG")
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            compiled = triton.compile(source, target=target, options=options)
+    finally:
+        if before is None:
+            del os.environ["TRITON_DUMP_PTXAS_LOG"]
+        else:
+            os.environ["TRITON_DUMP_PTXAS_LOG"] = before
+    return compiled, _ptxas_counts(log.getvalue())
 
 
 def _sass(cubin: bytes) -> str:
@@ -74,8 +101,8 @@ def compile_case(case: dict, cap: int) -> dict:
     # at launch to pointers and ints divisible by 16 (vectorized loads; registers differ without it)
     source = ASTSource(case["fn"], case["signature"], case.get("constexprs", {}), case.get("attrs"))
     options = {"num_warps": case.get("num_warps", 4), "num_stages": case.get("num_stages", 3), **LAUNCH_OPTIONS}
-    compiled = triton.compile(source, target=GPUTarget("cuda", cap, 32), options=options)
-    registers, spills = _ptxas_report(compiled.asm["ptx"])
+    compiled, counts = _compile_reading_ptxas(source, GPUTarget("cuda", cap, 32), options)
+    registers, spills = counts or _ptxas_report(compiled.asm["ptx"])
     report = {"name": case["name"], "arch": f"sm_{cap}", "num_warps": options["num_warps"],
               "num_stages": options["num_stages"], "registers": registers, "spill_bytes": spills,
               "shared_bytes": int(getattr(compiled.metadata, "shared", 0)), "seconds": round(time.time() - start, 2)}
