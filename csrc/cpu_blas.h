@@ -10,7 +10,7 @@
 
 #include "cpu_capability.h"  // before any ATen header: at::vec's ISA
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>

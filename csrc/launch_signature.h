@@ -2,7 +2,7 @@
 // (kernels/_launch.py), for the Python bindings: not ops.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 

@@ -4,8 +4,6 @@
 #include "op_utils.h"
 #include "ops.h"
 
-#include <torch/autograd.h>
-
 #include <cmath>
 #include <limits>
 

@@ -3,7 +3,7 @@
 #include "op_utils.h"
 #include "ops.h"
 
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace transformer_fast {
 

@@ -2,7 +2,7 @@
 // launched for a call signature (native_calls.cpp). Python bindings, not ops.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace transformer_fast {
 

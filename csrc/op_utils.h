@@ -8,7 +8,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
-#include <torch/types.h>
+#include <ATen/ATen.h>
 
 #include <optional>
 #include <sstream>

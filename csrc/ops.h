@@ -6,7 +6,9 @@
 #include "attention_extras.h"
 #include "new_tensors.h"
 
-#include <torch/extension.h>
+// ATen's headers, not <torch/extension.h>: that one adds torch's C++ frontend and pybind11, about
+// 30 s of compile time to every translation unit; only the Python bindings include pybind11.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <optional>

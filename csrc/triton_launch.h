@@ -2,7 +2,7 @@
 // launch plans of kernels/_launch.py and the native calls of csrc/native_calls.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <array>
 #include <cstdint>

@@ -43,8 +43,14 @@ def extra_cflags(cuda=False):
     """Optimisation flags. The extension is always compiled on the machine that runs it (a source
     install or the JIT build), so it targets that CPU (-march=native: AVX-512 where present, which
     at::vec then uses). TRANSFORMER_FAST_PORTABLE=1 builds for the x86-64 AVX2+FMA baseline instead,
-    for a build that must run on other machines."""
-    flags = ["-O3", "-fno-math-errno", "-std=c++17", "-fopenmp"] + ([CUDA_DEFINE] if cuda else [])
+    for a build that must run on other machines.
+
+    -g0 drops the debug information that Python's own CFLAGS ask for (-g): nearly all of it
+    describes torch's headers, and it doubled the build (370 s against 189 s on 2 cores) and made
+    the library 50 MB instead of 2. It does not change the generated code.
+    TRANSFORMER_FAST_DEBUG_INFO=1 keeps it, for a debugger."""
+    debug = ["-g"] if os.environ.get("TRANSFORMER_FAST_DEBUG_INFO") == "1" else ["-g0"]
+    flags = ["-O3", *debug, "-fno-math-errno", "-std=c++17", "-fopenmp"] + ([CUDA_DEFINE] if cuda else [])
     if platform.machine() not in ("x86_64", "AMD64"):
         return flags
     if os.environ.get("TRANSFORMER_FAST_PORTABLE") == "1":
