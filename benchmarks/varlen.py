@@ -10,7 +10,9 @@ faster).
             equivalent (N, N) bool mask (target 10x); peak memory of each, and ours at N/4, N/2, N
   decode    one decoding step from a 32k cache, B=1 H=32 Hk=8 D=128, fp32 and bf16, through
             `scaled_dot_product_attention` (as a generate loop calls it) against
-            F.sdpa(enable_gqa=True) (target 1.5x, fp32)
+            F.sdpa(enable_gqa=True) (target 1.5x, fp32); and without GQA, 1, 2 and 16 queries
+            against 2k-4k keys and a batch of 8 against 512, where the scores stay on MKL's
+            products (no target: reported, as the models suite's `generate` is what counts)
 
 Each implementation is checked against the float64 oracle (transformer_fast/reference.py) on a
 few query rows first (ours within 2x PyTorch's error plus a floor; a wrong one is reported, not
@@ -191,31 +193,36 @@ def _peak_rss_growth_mib(n, heads, head_dim, window):
 # One decoding step
 # --------------------------------------------------------------------------------------------
 def decode(args):
-    B, H, Hk, N, D = (1, 4, 2, 256, 16) if args.smoke else (1, 32, 8, 32768, 128)
+    """One decoding step per shape: (case, B, H, Hk, Nq, Nk, D); Hk < H is grouped-query attention."""
+    shapes = ([("decode", 1, 4, 2, 1, 256, 16), ("decode MHA", 2, 4, 4, 2, 64, 24)] if args.smoke else
+              [("decode", 1, 32, 8, 1, 32768, 128), ("decode MHA", 1, 8, 8, 1, 4096, 128),
+               ("decode MHA", 1, 8, 8, 2, 2048, 128), ("decode MHA", 1, 8, 8, 16, 2048, 64),
+               ("decode MHA", 8, 8, 8, 1, 512, 64)])
     rows = []
-    for name in ("float32", "bfloat16"):
-        dtype = getattr(torch, name)
-        g = torch.Generator().manual_seed(args.seed)
-        q = torch.randn(B, H, 1, D, generator=g).to(dtype)
-        k, v = (torch.randn(B, Hk, N, D, generator=g).to(dtype) for _ in range(2))
+    for case, B, H, Hk, Nq, N, D in shapes:
+        for name in ("float32", "bfloat16"):
+            dtype = getattr(torch, name)
+            g = torch.Generator().manual_seed(args.seed)
+            q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+            k, v = (torch.randn(B, Hk, N, D, generator=g).to(dtype) for _ in range(2))
 
-        def ours():
-            with torch.no_grad():
-                return tf.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            def ours():
+                with torch.no_grad():
+                    return tf.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        def theirs():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            def theirs():
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        exact = reference.scaled_dot_product_attention(q.double(), k.double(), v.double())
-        ok, err, bound = _check(ours(), theirs(), exact, dtype)
-        row = {"dtype": name, "shape": f"B={B} H={H} Hk={Hk} Nq=1 Nk={N} D={D}", "max_error": err,
-               "error_bound": bound, "status": "ok" if ok else "wrong"}
-        if not ok:
-            rows.append({**row, "case": f"decode {name}"})
-            continue
-        times = _time({"ours": ours, "sdpa": theirs}, args)
-        rows.append({**row, **_row(f"decode {name}", times, "sdpa")})
+            exact = reference.scaled_dot_product_attention(q.double(), k.double(), v.double())
+            ok, err, bound = _check(ours(), theirs(), exact, dtype)
+            row = {"dtype": name, "shape": f"B={B} H={H} Hk={Hk} Nq={Nq} Nk={N} D={D}", "max_error": err,
+                   "error_bound": bound, "status": "ok" if ok else "wrong"}
+            if not ok:
+                rows.append({**row, "case": f"{case} {name}"})
+                continue
+            times = _time({"ours": ours, "sdpa": theirs}, args)
+            rows.append({**row, **_row(f"{case} {name}", times, "sdpa")})
     return {"rows": rows}
 
 

@@ -33,7 +33,7 @@ def _bench(*args, timeout=600):
 
 
 CPU_SUITES = ("attention", "layer_norm", "train_step", "target_cpu_attention", "target_cpu_layer_norm",
-              "target_cpu_linear_attention", "host", "models", "linear_state")
+              "target_cpu_linear_attention", "host", "models", "linear_state", "varlen")
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +277,41 @@ def test_linear_state_check_catches_a_wrong_state(monkeypatch):
     original = linear_state._call
     monkeypatch.setattr(linear_state, "_call", lambda *a: (lambda o, S, z: (o, S, z * 1.001))(*original(*a)))
     assert not linear_state.check("state in, out", q, k, v, S0, z0, rows)[0]
+
+
+def test_varlen_suite_checks_and_times_each_case(harness):
+    """The pack, the window and every decoding shape (with GQA and without) are checked against
+    float64 and timed; the generated tables give each decoding shape its own row."""
+    out, _, _ = harness
+    result = json.loads((out / "smoke-varlen.json").read_text())
+    body = result["result"]
+    assert result["suite"] == "varlen"
+    for part in (body["pack"], body["window"], *body["decode"]["rows"]):
+        assert part["status"] == "ok" and part["max_error"] <= part["error_bound"], part
+    for r in (*body["pack"]["rows"], *body["window"]["rows"], *body["decode"]["rows"]):
+        assert r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 and isinstance(r["met"], bool), r
+    decode = body["decode"]["rows"]
+    assert {r["dtype"] for r in decode} == {"float32", "bfloat16"}
+    assert {r["case"].split()[1] for r in decode} == {"float32", "bfloat16", "MHA"}
+    shapes = list(dict.fromkeys(r["shape"] for r in decode))
+    assert len(shapes) == 2 and "Hk=2" in shapes[0] and "H=4 Hk=4" in shapes[1]
+    entry = {"data": body, "created": result["created"], "file": "smoke-varlen.json"}
+    table_rows = [row[0] for row in tables._varlen_rows(entry, "")]
+    assert [row for row in table_rows if row.startswith("one decoding step")] == [
+        f"one decoding step, {shape}: against `F.sdpa` (`enable_gqa=True`)" for shape in shapes]
+    assert (out / "smoke-varlen.md").read_text().startswith("# varlen:")
+
+
+def test_varlen_check_catches_a_wrong_output():
+    from benchmarks import varlen
+    from transformer_fast import reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    exact = reference.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert varlen._check(theirs.clone(), theirs, exact, torch.float32)[0]
+    assert not varlen._check(theirs * 1.001, theirs, exact, torch.float32)[0]
 
 
 HOST_FUNCTIONS = ("scaled_dot_product_attention", "scaled_dot_product_attention causal",
