@@ -10,9 +10,10 @@ faster).
             equivalent (N, N) bool mask (target 10x); peak memory of each, and ours at N/4, N/2, N
   decode    one decoding step from a 32k cache, B=1 H=32 Hk=8 D=128, fp32 and bf16, through
             `scaled_dot_product_attention` (as a generate loop calls it) against
-            F.sdpa(enable_gqa=True) (target 1.5x, fp32); and without GQA, 1, 2 and 16 queries
-            against 2k-4k keys and a batch of 8 against 512, where the scores stay on MKL's
-            products (no target: reported, as the models suite's `generate` is what counts)
+            F.sdpa(enable_gqa=True) (target 1.5x, fp32); and without GQA: 1 and 2 queries (scores
+            one dot product at a time), 16 (MKL's products) against 2k-4k keys, and a batch of 8
+            single queries against 512 (no target: reported; the models suite's `generate` is
+            what a decoding model meets)
 
 Each implementation is checked against the float64 oracle (transformer_fast/reference.py) on a
 few query rows first (ours within 2x PyTorch's error plus a floor; a wrong one is reported, not

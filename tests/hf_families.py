@@ -396,14 +396,21 @@ def check_family(family: str, train: bool = False, convert: bool = False) -> Res
 
 # What a status in the table cannot say: measured explanations, printed under it.
 NOTES = {
-    "muse_spark_text": "At one thread, one gradient element is further from the float64 run than the policy allows: "
-                       "unconverted, layer 1's k_proj weight, 2.6x sdpa's error (0.00335 against 0.00129, max "
-                       "|value| 763); converted (its "
-                       "MuseSparkRMSNorm fused, the float64 run's norms in float64), layer 1's experts.gate_up_proj, "
-                       "6.58e-5 against an allowance of 6.33e-5. Both match at two threads. Its attention calls "
-                       "alone are within the policy: over 20 upstream gradients, dK's max error is 1.07e-6 (median; "
-                       "torch's 7.0e-7) and 8.6e-7 (6.1e-7).",
+    "muse_spark_text": "On an Intel Xeon with AVX-512 and AMX (where MKL and at::vec take their AVX-512 code "
+                       "paths, which round differently from their AVX2 ones), at one thread, one gradient element "
+                       "was further from the "
+                       "float64 run than the policy allows: unconverted, layer 1's k_proj weight, 2.6x sdpa's "
+                       "error (0.00335 against 0.00129, max |value| 763); converted (its MuseSparkRMSNorm fused, "
+                       "the float64 run's norms in float64), layer 1's experts.gate_up_proj, 6.58e-5 against an "
+                       "allowance of 6.33e-5. Both matched there at two threads, and match on an AMD EPYC (AVX2) "
+                       "at one. Its attention calls alone are within the policy: over 20 upstream gradients, dK's "
+                       "max error is 1.07e-6 (median; torch's 7.0e-7) and 8.6e-7 (6.1e-7).",
 }
+
+
+def _cpu() -> str:
+    from benchmarks.measure import device_info  # run from the repository root (see __main__)
+    return f"{device_info(torch.device('cpu'))['cpu']} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def table(results, convert=False) -> str:
@@ -446,9 +453,10 @@ def table(results, convert=False) -> str:
         f"transformers {transformers.__version__}, torch {torch.__version__}"
         + (f", TRANSFORMER_FAST_BACKEND={os.environ['TRANSFORMER_FAST_BACKEND']}"
            if os.environ.get("TRANSFORMER_FAST_BACKEND") else "")
-        + ", one thread. Regenerate with "
+        + f", one thread of {_cpu()}. The float32 products, and so the last bits of a model's gradients, "
+        "depend on the CPU's instructions. Regenerate with "
         f"`python tests/hf_families.py{' --convert' if convert else ''} --write docs/huggingface_families.md` "
-        "from the repository root (about 15 minutes on 2 CPU cores); `pytest -m slow "
+        "from the repository root (about 10 minutes on 2 CPU cores); `pytest -m slow "
         "tests/test_huggingface_families.py` checks that no family is served wrong (at two threads).",
         "",
         "Totals: " + ", ".join(f"{status}: {n}" for status, n in sorted(counts.items())) + ".",

@@ -72,7 +72,7 @@ def test_a_served_family_that_misreads_the_masks_is_a_mismatch(family, monkeypat
 
 @pytest.mark.slow
 def test_every_family():
-    """About 15 minutes on 2 cores; docs/huggingface_families.md is the same sweep's table."""
+    """About 10 minutes on 2 cores; docs/huggingface_families.md is the same sweep's table."""
     transformers.logging.set_verbosity_error()  # thousands of config warnings otherwise
     results = [hf_families.check_family(family) for family in hf_families.families()]
     bad = [r for r in results if r.status in ("MISMATCH", "ERROR")]
