@@ -86,6 +86,15 @@ def _zero_rows(base, stride_n, first, count, step_start, step, HEAD: tl.constexp
 
 
 @triton.jit
+def _minus_lse2(s, lse):
+    """s - lse * log2(e) (lse in natural-log units) with one rounding: where ALiBi or a float mask
+    makes a row's scores large (|s| ~ 100 on rows whose allowed keys all lie far from the
+    diagonal), every rounding of s or lse costs P about |s| units of 2^-24, so the product is not
+    rounded apart (and the interpreter fuses it as the GPU compiler does)."""
+    return tl.fma(lse, -1.4426950408889634, s)
+
+
+@triton.jit
 def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                mask_base, stride_maskm, stride_maskn, n_q, n_k, shift, win_left, win_right, slope2, qk_scale, softcap2,
                seed, drop_offset, drop_stride, dropout_p, dq_base, stride_dqm, scale,
@@ -108,14 +117,14 @@ def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base
     do = _load_rows(do_base + m64 * stride_dom, mi * stride_dom, row_ok, tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV,
                     True)
     # lse = +inf beyond the sequence's queries (and on rows with no allowed key) makes P = 0 there.
-    lse2 = tl.load(lse_base + m64 + mi, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(lse_base + m64 + mi, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_base + m64 + mi, mask=row_ok, other=0.0)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
     s_t, t_t = _scores(qk_t, offs_m[None, :], start_n + nj, key_ok[:, None], n_q, n_k,
                        mask_base + m64 * stride_maskm + ((mi * stride_maskm)[None, :] + nj * stride_maskn), shift,
                        win_left, win_right, slope2, qk_scale, softcap2, IS_CAUSAL, CHECK, WINDOW_LEFT, WINDOW_RIGHT,
                        MASK_KIND, False, HAS_SOFTCAP, HAS_ALIBI)
-    p_t = tl.exp2(_at_most_zero(s_t - lse2[None, :], MASK_KIND))
+    p_t = tl.exp2(_at_most_zero(_minus_lse2(s_t, lse[None, :]), MASK_KIND))
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep_t = _dropout_keep(seed, drop_offset + m64 * drop_stride + start_n, mi[None, :], nj, drop_stride,
@@ -253,7 +262,7 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn, stride_vn,
+def _dq_tile(dq, pdp, q, do, lse, delta, start_m, start_n, n_q, k_base, v_base, stride_kn, stride_vn,
              mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift, win_left, win_right, slope2,
              qk_scale, softcap2, seed, drop_offset, drop_stride, dropout_p, ds_base,
              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -282,7 +291,7 @@ def _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base,
     s, t = _scores(qk, qi, offs_n[None, :], key_ok[None, :], n_q, n_k, mask_ptrs, shift, win_left, win_right, slope2,
                    qk_scale, softcap2, IS_CAUSAL, CHECK, WINDOW_LEFT, WINDOW_RIGHT, MASK_KIND, check_keys, HAS_SOFTCAP,
                    HAS_ALIBI)
-    p = tl.exp2(_at_most_zero(s - lse2[:, None], MASK_KIND))
+    p = tl.exp2(_at_most_zero(_minus_lse2(s, lse[:, None]), MASK_KIND))
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_DROPOUT:
         keep = _dropout_keep(seed, drop_offset + start_n, mi, nj[None, :], drop_stride, dropout_p)
@@ -347,7 +356,7 @@ def attention_bwd_dq_kernel(
     do = _load_rows(DOut + b64 * stride_dob + h64 * stride_doh + m64 * stride_dom, rows * stride_dom, row_ok,
                     tl.arange(0, BLOCK_DV), HEAD_DV, BLOCK_DV, True)
     lse_row0 = b64 * stride_lb + h64 * stride_lh + m64
-    lse2 = tl.load(Lse + lse_row0 + rows, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(Lse + lse_row0 + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + lse_row0 + rows, mask=row_ok, other=0.0)
     mask_base = Mask + b64 * stride_maskb + h64 * stride_maskh + tl.cast(start_m, tl.int64) * stride_maskm
     # dS (dense): this head's (Nq, Nk) block of the contiguous (B, H, Nq, Nk) output
@@ -363,7 +372,7 @@ def attention_bwd_dq_kernel(
     lo, a, bb, hi = _key_tiles(pad_base, stride_padn, start_m, tl.minimum(start_m + BLOCK_M, n_q) - 1, n_k, shift,
                                win_left, win_right, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_PAD)
     for start_n in tl.range(a, bb, BLOCK_N):  # inside every row's band
-        dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
+        dq, pdp = _dq_tile(dq, pdp, q, do, lse, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
                            stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift,
                            win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride,
                            dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,
@@ -371,7 +380,7 @@ def attention_bwd_dq_kernel(
                            DOT_PRECISION, STORE_DS, STORE_PDP)
     if WINDOW_LEFT:  # checked: [lo, a) and [bb, hi)
         for t in tl.range(0, _masked_count(lo, a, bb, hi, BLOCK_N)):
-            dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, _masked_tile(t, lo, a, bb, BLOCK_N), n_q,
+            dq, pdp = _dq_tile(dq, pdp, q, do, lse, delta, start_m, _masked_tile(t, lo, a, bb, BLOCK_N), n_q,
                                k_base, v_base, stride_kn, stride_vn, mask_base, stride_maskm, stride_maskn, pad_base,
                                stride_padn, n_k, shift, win_left, win_right, slope2, qk_scale, softcap2, seed,
                                drop_offset, drop_stride, dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV,
@@ -379,7 +388,7 @@ def attention_bwd_dq_kernel(
                                WINDOW_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, STORE_DS, STORE_PDP)
     else:  # checked: [bb, hi)
         for start_n in tl.range(bb, hi, BLOCK_N):
-            dq, pdp = _dq_tile(dq, pdp, q, do, lse2, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
+            dq, pdp = _dq_tile(dq, pdp, q, do, lse, delta, start_m, start_n, n_q, k_base, v_base, stride_kn,
                                stride_vn, mask_base, stride_maskm, stride_maskn, pad_base, stride_padn, n_k, shift,
                                win_left, win_right, slope2, qk_scale, softcap2, seed, drop_offset, drop_stride,
                                dropout_p, ds_base, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, IS_CAUSAL,

@@ -113,8 +113,8 @@ def _scores(qk, qi, kj, key_ok, n_q, n_k, mask_ptrs, shift, win_left, win_right,
     else:
         t = qk
         s = qk * qk_scale
-    if HAS_ALIBI:
-        s = s - slope2 * tl.abs(qi + shift - kj).to(tl.float32)
+    if HAS_ALIBI:  # one rounding (fused): |s| reaches slope * the distance, ~100s far from the diagonal
+        s = tl.fma(tl.abs(qi + shift - kj).to(tl.float32), -slope2, s)
     if MASK_KIND == 2:  # float mask: added (in natural-log units, hence * log2(e))
         bias = tl.load(mask_ptrs, mask=(qi < n_q) & (kj < n_k), other=0.0).to(tl.float32)
         # finfo.min (the usual "masked" fill) times log2(e) would overflow to -inf: a row of it
