@@ -90,7 +90,8 @@ def _minus_lse2(s, lse):
     """s - lse * log2(e) (lse in natural-log units) with one rounding: where ALiBi or a float mask
     makes a row's scores large (|s| ~ 100 on rows whose allowed keys all lie far from the
     diagonal), every rounding of s or lse costs P about |s| units of 2^-24, so the product is not
-    rounded apart (and the interpreter fuses it as the GPU compiler does)."""
+    rounded apart. Explicit: the interpreter does not contract a multiply and an add, and Triton
+    3.10 stops doing so on the GPU by default."""
     return tl.fma(lse, -1.4426950408889634, s)
 
 
