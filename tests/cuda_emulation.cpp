@@ -1,28 +1,30 @@
-// Runs the C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh) on CPU threads, so that
+// Runs the C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh) on the CPU, so that
 // their logic (indexing, masks, the online softmax, shuffles, ballots and barriers) is tested
 // against the float64 reference on machines without a GPU (tests/test_attention_cuda_emulated.py).
 //
-// Each block runs alone, on kThreads std::threads sharing one shared-memory buffer (filled with
-// NaN first, so a read of anything not staged shows). A warp intrinsic stores each lane's value,
-// waits for the warp, reads, and waits again; __syncthreads waits for the block. Lanes that skip
-// a shuffle their warp makes (undefined behaviour on a GPU) or a barrier would hang: the
-// barriers time out instead and the launch raises. This checks the kernels' logic, not what
-// only a GPU shows (its compiler, memory model and speed): the nvcc compile check and the
-// gpu-marked tests do that.
+// Each block runs alone, its kThreads threads as fibers (ucontext) on the calling thread, sharing
+// one shared-memory buffer (filled with NaN first, so a read of anything not staged shows). A
+// thread runs until it waits at a barrier, then the next ready one runs: thread 0 always reaches
+// a barrier first, so a read of what a later thread stages without a barrier between sees NaN, and
+// a write past a missing barrier lands before the others read. A warp intrinsic stores each lane's
+// value, waits for the warp, reads, and waits again; __syncthreads waits for the block. Lanes that
+// skip a shuffle their warp makes (undefined behaviour on a GPU) or a barrier leave every thread
+// waiting: the launch raises. (One OS thread per CUDA thread, with condition variables, took
+// ~10x as long: thread starts and wake-ups, 128 a block on a 2-core machine.) This checks the
+// kernels' logic, not what only a GPU shows (its compiler, memory model and speed): the nvcc
+// compile check and the gpu-marked tests do that.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // not <torch/extension.h>: ~30 s less to compile
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
+#include <ucontext.h>
+
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
-// CUDA's built-in index variables, per thread.
+// CUDA's built-in index variables of the running thread.
 struct EmulatedIndex {
   unsigned x = 0, y = 0, z = 0;
 };
@@ -30,60 +32,112 @@ thread_local EmulatedIndex threadIdx, blockIdx;
 
 namespace tf_emulation {
 
-struct Hang {};  // thrown out of a barrier that timed out
+struct Hang {};  // thrown out of a barrier wait when no thread of the block can go on
+
+constexpr int kThreadsPerBlock = 128;  // checked against the kernels' kThreads below
+constexpr size_t kStackBytes = 256 * 1024;
+
+struct Block;
 
 class Barrier {
  public:
-  // `hung` is shared by all barriers of a block (each with its own mutex): atomic.
-  explicit Barrier(int count, std::atomic<bool>* hung) : count_(count), hung_(hung) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (*hung_) throw Hang{};
-    const uint64_t generation = generation_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation != generation_ || *hung_; }) ||
-        *hung_) {
-      *hung_ = true;
-      cv_.notify_all();
-      throw Hang{};
-    }
-  }
-  void release() {  // wakes the waiters of a block that hung elsewhere
-    std::lock_guard<std::mutex> lock(mutex_);
-    cv_.notify_all();
-  }
+  Barrier(int count, Block* block) : count_(count), block_(block) {}
+  void wait();
+  void release_waiters();  // makes the waiting threads ready (they see `hung` and throw Hang)
 
  private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  int count_, arrived_ = 0;
-  uint64_t generation_ = 0;
-  std::atomic<bool>* hung_;
+  int count_;
+  Block* block_;
+  std::vector<int> waiting_;
 };
 
-constexpr int kThreadsPerBlock = 128;  // checked against the kernels' kThreads below
-
 struct Block {
+  enum State { kReady, kWaiting, kDone };
   // Shared memory as sized by the launch, plus a NaN guard: a read past the end shows as NaN.
-  explicit Block(size_t shared_bytes)
+  Block(size_t shared_bytes, std::function<void()> kernel_)
       : shared(shared_bytes / sizeof(float) + 4096, std::numeric_limits<float>::quiet_NaN()),
-        block_barrier(kThreadsPerBlock, &hung) {
-    for (int w = 0; w < kThreadsPerBlock / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32, &hung));
+        block_barrier(kThreadsPerBlock, this),
+        kernel(std::move(kernel_)) {
+    for (int w = 0; w < kThreadsPerBlock / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32, this));
   }
   std::vector<float> shared;
-  std::atomic<bool> hung{false};
+  bool hung = false;
   Barrier block_barrier;
   std::vector<std::unique_ptr<Barrier>> warp_barriers;
   float values[kThreadsPerBlock];
   unsigned predicates[kThreadsPerBlock];
+
+  std::function<void()> kernel;
+  ucontext_t scheduler;
+  ucontext_t contexts[kThreadsPerBlock];
+  State state[kThreadsPerBlock];
+  int running = 0;
+
+  void suspend() {  // the running thread waits: back to the scheduler
+    state[running] = kWaiting;
+    swapcontext(&contexts[running], &scheduler);
+  }
+  void run(unsigned block_index, std::vector<char>& stacks);
 };
 
 thread_local Block* block = nullptr;
+
+void Barrier::wait() {
+  if (block_->hung) throw Hang{};
+  if (static_cast<int>(waiting_.size()) + 1 == count_) {  // the last to arrive: everyone goes on
+    release_waiters();
+    return;
+  }
+  waiting_.push_back(block_->running);
+  block_->suspend();
+  if (block_->hung) throw Hang{};
+}
+
+void Barrier::release_waiters() {
+  for (int t : waiting_) block_->state[t] = Block::kReady;
+  waiting_.clear();
+}
+
+void thread_entry() {
+  Block* b = block;
+  try {
+    b->kernel();
+  } catch (const Hang&) {
+  }
+  b->state[b->running] = Block::kDone;
+}  // returns to uc_link: the scheduler
+
+// Runs the threads round-robin, each until it waits or ends, until all have ended. Where none is
+// ready but some wait, the block hung: each waiting thread is resumed to throw Hang.
+void Block::run(unsigned block_index, std::vector<char>& stacks) {
+  block = this;
+  blockIdx.x = block_index;
+  for (int t = 0; t < kThreadsPerBlock; ++t) {
+    getcontext(&contexts[t]);
+    contexts[t].uc_stack.ss_sp = stacks.data() + t * kStackBytes;
+    contexts[t].uc_stack.ss_size = kStackBytes;
+    contexts[t].uc_link = &scheduler;
+    makecontext(&contexts[t], thread_entry, 0);
+    state[t] = kReady;
+  }
+  for (;;) {
+    bool ran = false, waiting = false;
+    for (int t = 0; t < kThreadsPerBlock; ++t) {
+      if (state[t] == kWaiting) waiting = true;
+      if (state[t] != kReady) continue;
+      running = t;
+      threadIdx.x = static_cast<unsigned>(t);
+      swapcontext(&scheduler, &contexts[t]);
+      ran = true;
+    }
+    if (ran) continue;
+    if (!waiting) break;
+    hung = true;
+    block_barrier.release_waiters();
+    for (auto& w : warp_barriers) w->release_waiters();
+  }
+  block = nullptr;
+}
 
 inline float* shared_memory() { return block->shared.data(); }
 
@@ -131,27 +185,14 @@ using transformer_fast::unit_last_stride;
 static_assert(ck::kThreads == kThreadsPerBlock, "the emulated block size must match the kernels'");
 
 // launch(kernel, blocks, shared_bytes, args...) for run_forward / run_backward: the blocks one
-// after another, each on kThreads threads.
+// after another, each on kThreads fibers.
 struct EmulatedLaunch {
   template <typename... Params, typename... Args>
   void operator()(void (*kernel)(Params...), int64_t blocks, size_t shared_bytes, Args... args) const {
+    std::vector<char> stacks(kThreadsPerBlock * kStackBytes);
     for (int64_t b = 0; b < blocks; ++b) {
-      Block state(shared_bytes);
-      std::vector<std::thread> threads;
-      for (int t = 0; t < kThreadsPerBlock; ++t) {
-        threads.emplace_back([&, t] {
-          threadIdx.x = static_cast<unsigned>(t);
-          blockIdx.x = static_cast<unsigned>(b);
-          block = &state;
-          try {
-            kernel(args...);
-          } catch (const Hang&) {
-            state.block_barrier.release();
-            for (auto& w : state.warp_barriers) w->release();
-          }
-        });
-      }
-      for (auto& thread : threads) thread.join();
+      Block state(shared_bytes, [&] { kernel(args...); });
+      state.run(static_cast<unsigned>(b), stacks);
       TORCH_CHECK(!state.hung, "emulated CUDA kernel hung in block ", b,
                   ": some threads skipped a barrier, shuffle or ballot that others made");
     }
