@@ -83,6 +83,25 @@ def test_jit_trace_records_the_op():
         torch.testing.assert_close(traced(other, w), fn(other, w))
 
 
+def test_import_does_not_load_dynamo():
+    """torch._dynamo is 2.3 s of import: the package loads it only when the user compiles."""
+    code = "import sys, transformer_fast; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_choice_is_marked_constant_as_torch_marks_it():
+    """_backends marks unavailable_reason for torch.compile without importing torch._dynamo: by
+    the attributes torch.compiler.assume_constant_result sets, which this reads from torch."""
+    from transformer_fast import _backends
+
+    def probe():
+        pass
+
+    torch.compiler.assume_constant_result(probe)
+    marks = vars(probe)
+    assert marks and all(getattr(_backends.unavailable_reason, k, None) == v for k, v in marks.items()), marks
+
+
 def test_torch_compile_no_grad_keeps_the_op():
     torch._dynamo.reset()
     fn = torch.compile(lambda x, w: tf.layer_norm(x * 2, (16,), w) + 1, fullgraph=True, backend="aot_eager")

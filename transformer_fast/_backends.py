@@ -50,12 +50,20 @@ def triton_interpreting() -> bool:
 _FAMILIES_WITH_PRODUCTS = ("attention", "linear_attention")  # their Triton kernels use tl.dot
 
 
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result (torch.compile evaluates ``fn`` at trace time: no
+    graph break) without the 2.3 s import of torch._dynamo that it costs at import: it only sets
+    this attribute (tests/test_foundation.py checks that the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _cuda_families():
     module, _ = _build.load()
     return module.cuda_families() if module is not None else []
 
 
-@torch.compiler.assume_constant_result  # torch.compile: evaluated at trace time, no graph break
+@_assume_constant_result
 def unavailable_reason(backend: str, device: torch.device | None, dtype: torch.dtype | None = None,
                        family: str | None = None) -> str | None:
     """Why ``backend`` cannot run kernel family ``family`` on ``device``/``dtype`` (None: it can).
