@@ -323,17 +323,17 @@ def interleaved_pieces(models_fns, rounds):
 # --------------------------------------------------------------------------------------------
 # The suite
 # --------------------------------------------------------------------------------------------
-def _linear_rates(device):
-    """GFLOP/s per dtype of an nn.Linear-shaped product (512 x 768 by 768 x 768), forward alone
+def _linear_rates(device, rows=512, width=768):
+    """GFLOP/s per dtype of an nn.Linear-shaped product (rows x width by width x width), forward alone
     and forward + backward. A CPU without bfloat16 instructions runs bfloat16 products much more
     slowly than float32, and unevenly by layout: on the 2-core AVX2 VM the forward's layout about
     6x, the backward's grad-input product (grad_out @ weight) about 60x, so a training step about
     25x. The skip predictor scales a case's float32 time by the slowdown of its kind."""
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(512, 768, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(768, 768, device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(512, 768, device=device, dtype=dtype)
+        x = torch.randn(rows, width, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(width, width, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(rows, width, device=device, dtype=dtype)
 
         def forward():
             with torch.no_grad():
@@ -344,7 +344,7 @@ def _linear_rates(device):
 
         times = measure.time_interleaved({"forward": forward, "train": train}, device, max_repeats=5, min_repeats=3,
                                          budget_s=0.5, min_sample_s=0.02)
-        flops = {"forward": 2 * 512 * 768 * 768, "train": 3 * 2 * 512 * 768 * 768}
+        flops = {"forward": 2 * rows * width * width, "train": 3 * 2 * rows * width * width}
         rates[str(dtype).replace("torch.", "")] = {k: flops[k] / (times[k]["median_ms"] / 1e3) / 1e9 for k in flops}
     return rates
 
@@ -361,7 +361,7 @@ def run(args):
         dtypes = [args.dtype]
     else:
         dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
-    rates = _linear_rates(device)
+    rates = _linear_rates(device, *((64, 128) if args.smoke else ()))
     slowdown = {d: {k: rates["float32"][k] / r[k] for k in r} for d, r in rates.items()}
     print(f"  sizes: {preset}; linear-layer GFLOP/s (forward, forward + backward): "
           + ", ".join(f"{d} {r['forward']:.1f}, {r['train']:.1f}" for d, r in rates.items()), flush=True)
@@ -430,7 +430,7 @@ def _run_case(case, precision, args, device, fp32_seconds, slowdown):
         # The attention + norms time of each model: what the swap changes, free of the rest of the
         # model's time, which moves with the machine's load as much as the ratio.
         pieces = interleaved_pieces({"sdpa": (ref, fns["sdpa"]), "ours": (ours, fns["ours"])},
-                                    rounds=5 if first["sdpa"] < 1.0 else 3)
+                                    rounds=1 if args.smoke else (5 if first["sdpa"] < 1.0 else 3))
         shares = {k: pieces["sdpa"]["share_" + k] for k in shares}
         pieces_ms = {k: pieces[k]["attention_norms"] for k in pieces_ms}
     share = (shares["attention"] + shares["norms"]) if shares["attention"] is not None else None

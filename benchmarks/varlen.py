@@ -163,7 +163,7 @@ def window(args):
                            peak_memory_mib={k_: (m or 0) / 2**20 for k_, m in result["peak_memory_bytes"].items()})]
     # Memory grows linearly with N: the peak RSS of a fresh process over one forward+backward at
     # N/4, N/2 and N (RSS sees the kernels' own tile buffers, which torch's allocator does not).
-    result["peak_rss_growth_mib_by_n"] = {str(n): _peak_rss_growth_mib(n, H, D, W) for n in (N // 4, N // 2, N)}
+    result["peak_rss_growth_mib_by_n"] = _peak_rss_growth_mib((N // 4, N // 2, N), H, D, W)
     print("  peak RSS growth of one forward+backward, ours: "
           + ", ".join(f"N={n}: {m:.0f} MiB" for n, m in result["peak_rss_growth_mib_by_n"].items())
           + f"; the bool mask alone {mask.numel() / 2**20:.0f} MiB", flush=True)
@@ -184,10 +184,18 @@ print(hwm() - before)
 """
 
 
-def _peak_rss_growth_mib(n, heads, head_dim, window):
-    proc = subprocess.run([sys.executable, "-c", _RSS_CODE, str(n), str(heads), str(head_dim), str(window)],
-                          capture_output=True, text=True, check=True)
-    return float(proc.stdout)
+def _peak_rss_growth_mib(lengths, heads, head_dim, window):
+    """{str(n): MiB} for each length, each in a process of its own (run side by side: a peak RSS
+    is per process)."""
+    procs = {n: subprocess.Popen([sys.executable, "-c", _RSS_CODE, str(n), str(heads), str(head_dim), str(window)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in lengths}
+    growth = {}
+    for n, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"peak RSS at N={n} failed:\n{err[-2000:]}")
+        growth[str(n)] = float(out)
+    return growth
 
 
 # --------------------------------------------------------------------------------------------
