@@ -19,6 +19,7 @@
 #include <ucontext.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -68,6 +69,7 @@ struct Block {
   unsigned predicates[kThreadsPerBlock];
 
   std::function<void()> kernel;
+  std::exception_ptr error;  // the first exception a thread threw (the others then hang)
   ucontext_t scheduler;
   ucontext_t contexts[kThreadsPerBlock];
   State state[kThreadsPerBlock];
@@ -103,6 +105,8 @@ void thread_entry() {
   try {
     b->kernel();
   } catch (const Hang&) {
+  } catch (...) {  // it must not unwind past the fiber's first frame
+    if (!b->error) b->error = std::current_exception();
   }
   b->state[b->running] = Block::kDone;
 }  // returns to uc_link: the scheduler
@@ -193,6 +197,7 @@ struct EmulatedLaunch {
     for (int64_t b = 0; b < blocks; ++b) {
       Block state(shared_bytes, [&] { kernel(args...); });
       state.run(static_cast<unsigned>(b), stacks);
+      if (state.error) std::rethrow_exception(state.error);
       TORCH_CHECK(!state.hung, "emulated CUDA kernel hung in block ", b,
                   ": some threads skipped a barrier, shuffle or ballot that others made");
     }
