@@ -79,7 +79,7 @@ struct Block {
     state[running] = kWaiting;
     swapcontext(&contexts[running], &scheduler);
   }
-  void run(unsigned block_index, std::vector<char>& stacks);
+  void run(unsigned block_index, char* stacks);
 };
 
 thread_local Block* block = nullptr;
@@ -113,12 +113,12 @@ void thread_entry() {
 
 // Runs the threads round-robin, each until it waits or ends, until all have ended. Where none is
 // ready but some wait, the block hung: each waiting thread is resumed to throw Hang.
-void Block::run(unsigned block_index, std::vector<char>& stacks) {
+void Block::run(unsigned block_index, char* stacks) {
   block = this;
   blockIdx.x = block_index;
   for (int t = 0; t < kThreadsPerBlock; ++t) {
     getcontext(&contexts[t]);
-    contexts[t].uc_stack.ss_sp = stacks.data() + t * kStackBytes;
+    contexts[t].uc_stack.ss_sp = stacks + t * kStackBytes;
     contexts[t].uc_stack.ss_size = kStackBytes;
     contexts[t].uc_link = &scheduler;
     makecontext(&contexts[t], thread_entry, 0);
@@ -193,10 +193,11 @@ static_assert(ck::kThreads == kThreadsPerBlock, "the emulated block size must ma
 struct EmulatedLaunch {
   template <typename... Params, typename... Args>
   void operator()(void (*kernel)(Params...), int64_t blocks, size_t shared_bytes, Args... args) const {
-    std::vector<char> stacks(kThreadsPerBlock * kStackBytes);
+    // uninitialised (new char[], not a vector): only the pages a fiber's stack reaches are touched
+    std::unique_ptr<char[]> stacks(new char[kThreadsPerBlock * kStackBytes]);
     for (int64_t b = 0; b < blocks; ++b) {
       Block state(shared_bytes, [&] { kernel(args...); });
-      state.run(static_cast<unsigned>(b), stacks);
+      state.run(static_cast<unsigned>(b), stacks.get());
       if (state.error) std::rethrow_exception(state.error);
       TORCH_CHECK(!state.hung, "emulated CUDA kernel hung in block ", b,
                   ": some threads skipped a barrier, shuffle or ballot that others made");
