@@ -3,7 +3,8 @@
 // Forward, per row: one pass over x (and the residual) writes h = x + residual and gathers the
 // statistics; a second pass over h, which is still in L1/L2, writes y. Statistics are float32
 // sums of values shifted near 0 within blocks of 1024 elements, blocks merged in double (Chan et
-// al.), so a large common offset (mean 1e4, small variance) loses nothing to cancellation.
+// al.), so a large common offset (mean 1e4, small variance) loses nothing to cancellation
+// (RMSNorm: float32 sums of squares over 4 steps, added in double).
 // Backward, per row: one pass gathers sum(g) and sum(g * xhat) (g = dy * weight) and the
 // weight/bias gradient contributions; a second pass over the cached row writes dx. dweight/dbias
 // are summed into one float32 buffer per block of rows, then reduced in block order: the result
@@ -93,6 +94,15 @@ inline float lane_sum(const Vec& v) {
   return s;
 }
 
+// The lanes of v, added in double.
+inline double lane_sum_double(const Vec& v) {
+  alignas(64) float tmp[kVec];
+  v.store(tmp);
+  double s = 0;
+  for (int64_t i = 0; i < kVec; ++i) s += tmp[i];
+  return s;
+}
+
 // Running (count, mean, M2) of a set of values, merged with Chan et al.'s formula.
 struct Moments {
   double n = 0, mean = 0, m2 = 0;
@@ -126,7 +136,8 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
       else Io<T>::store(h_out + j, n, ha, hb);
     }
   };
-  float rstd;
+  float rstd;  // from the double statistics, rounded once: dx scales with up to rstd^3, so each
+               // float rounding of var + eps, sqrt and the division would show in the gradient
   // y = ((h - shift) - mean_from_shift) * rstd: h - shift is exact for h near a large common
   // offset, and mean_from_shift is small, so the mean's rounding to float costs nothing.
   float shift = 0.f, mean_from_shift = 0.f;
@@ -134,10 +145,15 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
   // added up in double.
   constexpr int64_t kBlock = 64;
   if (kRms) {
+    // Float sums over 4 steps, added in double: a float sum of n near-equal squares errs by up to
+    // ~n/2 roundings (over 64-step blocks, 4.5 units in the last place of dx for a row of 768
+    // equal values, scaled up by a large rstd). Kahan's compensation cost 10-15% more time on rows
+    // in cache.
+    constexpr int64_t kSquaresBlock = 4;
     double sumsq = 0;
     int64_t j = 0;
     while (j < n_main) {
-      const int64_t block_end = std::min(n_main, j + kBlock * kStep);
+      const int64_t block_end = std::min(n_main, j + kSquaresBlock * kStep);
       Vec acc_a(0.f), acc_b(0.f);
       for (; j < block_end; j += kStep) {
         Vec ha, hb;
@@ -145,14 +161,14 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
         acc_a = at::vec::fmadd(ha, ha, acc_a);
         acc_b = at::vec::fmadd(hb, hb, acc_b);
       }
-      sumsq += lane_sum(acc_a + acc_b);
+      sumsq += lane_sum_double(acc_a) + lane_sum_double(acc_b);
     }
     if (j < N) {
       Vec ha, hb;
       load_h(j, N - j, ha, hb);
       sumsq += lane_sum(ha * ha + hb * hb);  // the padding lanes hold 0
     }
-    rstd = 1.f / std::sqrt(static_cast<float>(sumsq / static_cast<double>(N)) + eps);
+    rstd = static_cast<float>(1.0 / std::sqrt(sumsq / static_cast<double>(N) + eps));
   } else {
     // Sums of (h - s) and (h - s)^2 per block, s = the mean of the block's first kStep values:
     // the moments of values near 0, and (block mean - s)^2 / block variance, the cancellation
@@ -193,7 +209,7 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
     const double var = std::max(m.m2 / static_cast<double>(N), 0.0);
     *mean_out = static_cast<float>(m.mean);
     mean_from_shift = static_cast<float>(m.mean - shift);
-    rstd = 1.f / std::sqrt(static_cast<float>(var) + eps);
+    rstd = static_cast<float>(1.0 / std::sqrt(var + eps));
   }
   *rstd_out = rstd;
 
@@ -292,9 +308,41 @@ void forward_impl(const at::Tensor& x, const at::Tensor& r, const at::Tensor& h,
 // ---------------------------------------------------------------------------------------------
 // Backward of one row. dw_acc/db_acc (padded to kStep) receive dy * xhat and dy.
 // ---------------------------------------------------------------------------------------------
+// A row narrower than one step (16 or 32 elements), in double, its statistics recomputed from h:
+// over a handful of elements dx = rstd (g - c_g - xhat c_gx) is a cancellation (over two, its terms
+// nearly cancel), which turns the float roundings of rstd, g, xhat and the sums into several units
+// in the last place of dx (fuzzed RMSNorm rows of two: 6x the error of the same equations in torch).
+template <typename T, bool kRms>
+inline void backward_narrow_row(const T* dy, const T* dh, const T* h, T* dx, const float* w, float eps, int64_t N,
+                                float* dw_acc, float* db_acc) {
+  double hv[kStep], g[kStep], mean = 0, var = 0, sum_g = 0, sum_gx = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    hv[j] = static_cast<float>(h[j]);
+    mean += hv[j];
+  }
+  mean = kRms ? 0.0 : mean / static_cast<double>(N);
+  for (int64_t j = 0; j < N; ++j) var += (hv[j] - mean) * (hv[j] - mean);
+  const double rstd = 1.0 / std::sqrt(var / static_cast<double>(N) + eps);
+  for (int64_t j = 0; j < N; ++j) {
+    const double d = static_cast<float>(dy[j]);
+    hv[j] = (hv[j] - mean) * rstd;  // xhat
+    g[j] = w != nullptr ? d * w[j] : d;
+    sum_g += g[j];
+    sum_gx += g[j] * hv[j];
+    if (dw_acc != nullptr) dw_acc[j] += static_cast<float>(d * hv[j]);
+    if (db_acc != nullptr) db_acc[j] += static_cast<float>(d);
+  }
+  const double c_gx = sum_gx / static_cast<double>(N), c_g = kRms ? 0.0 : sum_g / static_cast<double>(N);
+  for (int64_t j = 0; j < N; ++j) {
+    const double v = rstd * (g[j] - c_g - hv[j] * c_gx) + (dh != nullptr ? static_cast<float>(dh[j]) : 0.f);
+    dx[j] = static_cast<T>(static_cast<float>(v));
+  }
+}
+
 template <typename T, bool kRms>
 inline void backward_row(const T* dy, const T* dh, const T* h, T* dx, const float* w, float mean, float rstd,
-                         int64_t N, float* dw_acc, float* db_acc) {
+                         int64_t N, float eps, float* dw_acc, float* db_acc) {
+  if (N < kStep) return backward_narrow_row<T, kRms>(dy, dh, h, dx, w, eps, N, dw_acc, db_acc);
   const int64_t n_main = N - N % kStep;
   const Vec vmean(mean), vrstd(rstd);
   // Pass 1: sum(g) and sum(g * xhat), plus the weight/bias gradient contributions.
@@ -383,7 +431,7 @@ inline void backward_row(const T* dy, const T* dh, const T* h, T* dx, const floa
 template <typename T, bool kRms>
 void backward_impl(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor& h, const at::Tensor& w,
                    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dx, at::Tensor& dw_partial,
-                   at::Tensor& db_partial, const at::Tensor& chunk_sums, int64_t num_blocks) {
+                   at::Tensor& db_partial, const at::Tensor& chunk_sums, int64_t num_blocks, float eps) {
   const int64_t M = h.size(0), N = h.size(1);
   const int64_t padded = (N + kStep - 1) / kStep * kStep;
   const T* dyp = dy.const_data_ptr<T>();
@@ -414,7 +462,7 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& dh, const at::Tensor&
         if (db_chunk != nullptr) std::fill_n(db_chunk, padded, 0.f);
         for (int64_t i = c; i < std::min(row_end, c + kSumChunk); ++i) {
           backward_row<T, kRms>(dyp + i * sdy, dhp != nullptr ? dhp + i * sdh : nullptr, hp + i * sh,
-                                dxp + i * sdx, wp, kRms ? 0.f : meanp[i], rstdp[i], N,
+                                dxp + i * sdx, wp, kRms ? 0.f : meanp[i], rstdp[i], N, eps,
                                 dw_chunk != nullptr ? dw_chunk : dw_acc, db_chunk != nullptr ? db_chunk : db_acc);
         }
         for (auto [acc, chunk, lost] : {std::tuple{dw_acc, dw_chunk, compensation},
@@ -528,9 +576,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   const at::Tensor dh_t = has_dh ? *dh : at::Tensor();
   LN_DISPATCH_TYPES(h.scalar_type(), "layer_norm_backward", [&] {
     if (is_rms) backward_impl<scalar_t, true>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, chunk_sums,
-                                                num_blocks);
+                                                num_blocks, static_cast<float>(eps));
     else backward_impl<scalar_t, false>(dy, dh_t, h, w, mean_c, rstd_c, dx, dw_partial, db_partial, chunk_sums,
-                                        num_blocks);
+                                        num_blocks, static_cast<float>(eps));
   });
   // Final reduce over the blocks, in block order (one block: its row is the sum).
   auto reduce = [&](const at::Tensor& partial, at::ScalarType dtype) {
