@@ -183,6 +183,11 @@ LayerNormArgs layer_norm_args(const at::Tensor& input, c10::SymIntArrayRef norma
                       " must have shape normalized_shape = ", shape_str(normalized_shape), ", got ",
                       shape_str((*p)->sym_sizes()));
     check_same_device(pname, **p, "input", x);
+    // torch's rms_norm takes a weight of any floating dtype (its product is taken in the float type
+    // the normalisation computes in): such a weight (D elements) is converted to that type.
+    if (is_rms && (*p)->scalar_type() != x.scalar_type() && (*p)->scalar_type() != at::kFloat) {
+      **p = (*p)->to(at::promote_types(x.scalar_type(), at::kFloat));
+    }
     TORCH_CHECK_TYPE((*p)->scalar_type() == x.scalar_type() || (*p)->scalar_type() == at::kFloat, name, ": ", pname,
                      " must have the input's dtype ", dtype_name(x.scalar_type()),
                      x.scalar_type() == at::kFloat ? "" : " or torch.float32", ", got ", dtype_name((*p)->scalar_type()));

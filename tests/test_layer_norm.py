@@ -299,6 +299,36 @@ def test_float32_weight_with_low_precision_input(backend, dtype):
     assert_close_to_reference(b.grad, b64.grad, bl.grad.float(), what="dbias")
 
 
+@pytest.mark.parametrize("dtype, weight_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float64), (torch.float16, torch.bfloat16),
+    (torch.bfloat16, torch.float16), (torch.float64, torch.bfloat16)])
+def test_rms_norm_weight_of_any_dtype(dtype, weight_dtype):
+    """torch's rms_norm takes a weight of any floating dtype (a bf16 nn.RMSNorm on float32
+    activations): y has the input's dtype, dweight the weight's, and both are as close to the
+    float64 reference as torch's own F.rms_norm."""
+    x = torch.randn(5, 40, dtype=dtype, requires_grad=True)
+    w = (torch.rand(40) + 0.5).to(weight_dtype).requires_grad_()
+    y = tf.rms_norm(x, (40,), w)
+    dy = torch.randn(5, 40, dtype=dtype)
+    y.backward(dy)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    reference.rms_norm(x64, (40,), w64, torch.finfo(dtype).eps).backward(dy.double())
+    xt, wt = (t.detach().requires_grad_() for t in (x, w))
+    yt = F.rms_norm(xt, (40,), wt)
+    yt.backward(dy)
+    assert y.dtype == yt.dtype == dtype and w.grad.dtype == weight_dtype
+    y64 = reference.rms_norm(x64.detach(), (40,), w64.detach(), torch.finfo(dtype).eps)
+    assert_close_to_reference(y, y64, yt, what="y")
+    assert_close_to_reference(x.grad, x64.grad, xt.grad, what="dx")
+    assert_close_to_reference(w.grad, w64.grad, wt.grad, what="dweight")
+    m = nn.RMSNorm(40, dtype=weight_dtype)  # a converted module takes the inputs torch's takes
+    expected = m(x.detach())
+    got = tf.convert(m)(x.detach())
+    assert got.dtype == expected.dtype == dtype
+    y64 = reference.rms_norm(x64.detach(), (40,), None, torch.finfo(dtype).eps)
+    assert_close_to_reference(got, y64, expected, what="converted module")
+
+
 def test_cpp_weight_gradient_is_deterministic():
     _skip_unavailable("cpp")
     x, dy = torch.randn(257, 300), torch.randn(257, 300)
