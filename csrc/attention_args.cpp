@@ -26,6 +26,11 @@ at::ScalarType stats_dtype(const at::Tensor& q) { return q.scalar_type() == at::
 at::Tensor alibi_view(const at::Tensor& slopes, const c10::SymInt& B, const c10::SymInt& H, const at::Tensor& ref) {
   check_floating("alibi_slopes", slopes);
   check_same_device("alibi_slopes", slopes, "query", ref);
+  // The slopes are fixed in the models that use them (BLOOM, MPT): no kernel computes their
+  // gradient, and a slope tensor that asks for one is refused rather than left without it.
+  TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(slopes),
+                              "alibi_slopes requires grad, but the attention kernels compute no gradient for "
+                              "the slopes; pass alibi_slopes.detach()");
   const bool per_head = slopes.dim() == 1 && slopes.sym_size(0) == H;
   const bool per_batch = slopes.dim() == 2 && slopes.sym_size(0) == B && slopes.sym_size(1) == H;
   TORCH_CHECK_VALUE(per_head || per_batch, "alibi_slopes must have shape (heads,) = (", H,

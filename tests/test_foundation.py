@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,6 +208,35 @@ def test_sdpa_rejects_bad_masks_and_args():
                                         enable_gqa=True)
 
 
+@pytest.mark.parametrize("value", ["False", 0, None, np.bool_(True), torch.tensor(True)])
+def test_flags_must_be_bools(value):
+    """As torch's functions require: bool("False") is True, so a string would silently run causal."""
+    q, k, v = _qkv()
+    name = type(value).__name__
+    for flag in ("is_causal", "enable_gqa"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got {name}"):
+            tf.scaled_dot_product_attention(q, k, v, **{flag: value})
+    for flag in ("is_causal", "output_final_state"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got {name}"):
+            tf.linear_attention(q, k, v, **{flag: value})
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(TypeError, match=f"enable_gqa must be a bool, got {name}"):
+        tf.varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 5, 5,
+                       enable_gqa=value)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_alibi_slopes_that_require_grad_are_refused(backend):
+    """No kernel computes the slopes' gradient: asking for one is refused, not left at None."""
+    q, k, v = _qkv()
+    slopes = torch.ones(2, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"alibi_slopes requires grad.*alibi_slopes.detach\(\)"):
+        tf.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, backend=backend)
+    expected = tf.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes.detach(), backend=backend)
+    with torch.no_grad():  # no gradient asked for
+        assert torch.equal(tf.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, backend=backend), expected)
+
+
 def test_linear_attention_rejects_causal_cross_attention():
     with pytest.raises(ValueError, match="equal query and key lengths"):
         tf.linear_attention(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
@@ -224,6 +254,17 @@ def test_layer_norm_rejects_bad_inputs():
         tf.layer_norm(x, (6,), residual=x[:2])
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         tf.layer_norm([1.0], (1,))
+    # named, not the dispatcher's schema error or pybind's list of signatures
+    for name, value in (("residual", 1.0), ("weight", [1.0] * 6), ("bias", 2)):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor or None, got {type(value).__name__}"):
+            tf.layer_norm(x, (6,), **{name: value})
+    for fn in (tf.layer_norm, tf.rms_norm):
+        with pytest.raises(TypeError, match="eps must be a real scalar or None, got str"):
+            fn(x, (6,), eps="1e-5")
+    q = torch.randn(1, 1, 3, 4)
+    for eps, words in (("1e-6", "got str"), (None, "got NoneType")):
+        with pytest.raises(TypeError, match=f"eps must be a real scalar, {words}"):
+            tf.linear_attention(q, q, q, eps=eps)
 
 
 def test_linear_attention_step_rejects_bad_state():

@@ -74,6 +74,19 @@ def test_paged_cache_with_pages_out_of_order(backend, page_size):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_cache_does_not_read_cu_seq_k(backend):
+    """With a block table the keys' lengths are seqused_k's (as in torch and FlashAttention): a
+    cu_seq_k, which cannot describe a pool of pages, is not read on any backend."""
+    k, v, table, used = paged([23, 1, 40], 8, dtype=LOW_PRECISION[backend])
+    q = torch.randn(3, 2, 16, dtype=k.dtype, device=_device())
+    with torch.no_grad():
+        outs = [tf.varlen_attn(q, k, v, offsets([1, 1, 1]), cu_k, 1, 40, seqused_k=used, block_table=table,
+                               backend=backend)
+                for cu_k in (None, offsets([23, 1, 40]), offsets([0, 0, 0]))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decoding_with_and_without_splits(backend):
     """One query per sequence against long caches: the key split (forced with num_splits) gives the
     unsplit result to rounding, and both match the reference."""

@@ -31,3 +31,10 @@ def check_tensors(**tensors):
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_optional_tensors(**tensors):
+    """TypeError naming the first argument that is neither a tensor nor None."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")

@@ -101,7 +101,7 @@ def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes,
     cu_k = cu_seq_k.tolist() if cu_seq_k is not None else None
     used = seqused_k.tolist() if seqused_k is not None else None
     check_offsets("cu_seq_q", cu_q, q.shape[0])
-    if cu_k is not None:
+    if cu_k is not None and block_table is None:  # a paged cache's lengths are seqused_k's; cu_seq_k is not read
         check_offsets("cu_seq_k", cu_k, k.shape[0])
     if block_table is not None:
         pages = block_table.shape[1] * k.shape[1]

@@ -1,11 +1,22 @@
-"""Input checks of the functions written in Python (linear_attention_step); the ops check their
-arguments in C++ (csrc/op_utils.h) with the same messages. Each raises TypeError (wrong type or
-dtype) or ValueError (wrong shape or value) naming the argument, what was expected and what was given."""
+"""Input checks made in Python (linear_attention_step's tensors, the public functions' flags); the
+ops check their arguments in C++ (csrc/op_utils.h) with the same messages. Each raises TypeError
+(wrong type or dtype) or ValueError (wrong shape or value) naming the argument, what was expected
+and what was given."""
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
 MAX_HEAD_DIM = 256  # the widest head the kernels take (csrc/op_utils.h: kMaxHeadDim)
+
+
+def check_bools(**flags):
+    """Flags must be bools, as torch's functions require of theirs (bool("False") would be True)."""
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def check_tensor(name, t, *, ndim=None, floating=True):
@@ -24,3 +35,22 @@ def check_same(name, t, ref_name, ref):
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must share a device")
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; they must match")
+
+
+def real_scalar(name, value, optional=True):
+    """Any real scalar (a Python or NumPy number, a one-element tensor) as a float; None passes
+    where ``optional``."""
+    expected = "a real scalar or None" if optional else "a real scalar"
+    if value is None and optional:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(f"{name} must be {expected}, got a tensor of shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}")
+        value = value.item()
+    elif not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value

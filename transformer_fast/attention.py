@@ -60,7 +60,6 @@ block_table are inference-only, as in torch's varlen_attn.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import NamedTuple
 
@@ -70,6 +69,7 @@ from . import _backends, _build, _explicit
 from ._calls import check_tensors, direct, dynamo_compiling
 from ._layout import empty_in_rows_of
 from ._plain_torch import dmask_dtype
+from ._validation import check_bools, real_scalar
 
 _C, _ = _build.load()
 
@@ -110,32 +110,15 @@ def _dropout_seed(dropout_p):
     return torch.randint(2**62, (), dtype=torch.int64)
 
 
-def _real(name, value):
-    """Any real scalar (a Python or NumPy number, a one-element tensor) as a float, or None."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise TypeError(f"{name} must be a real scalar or None, got a tensor of shape {tuple(value.shape)} "
-                            f"and dtype {value.dtype}")
-        value = value.item()
-    elif not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real scalar or None, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def _check_scale(scale):
-    return _real("scale", scale)
+    return real_scalar("scale", scale)
 
 
 def _dropout_p(p):
     """dropout_p as a float (its range is checked with the other arguments)."""
     if not isinstance(p, (numbers.Real, torch.Tensor)):
         raise TypeError(f"dropout_p must be a real scalar in [0, 1), got {type(p).__name__}")
-    return _real("dropout_p", p)
+    return real_scalar("dropout_p", p)
 
 
 def _window(window_size, allow_none=True):
@@ -165,7 +148,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         right (-1: unbounded; aligned to the bottom right when Nq != Nk, as FlashAttention-2):
         key tiles outside the window are never visited, so cost and memory are O(N * window);
       * ``softcap``: the scaled scores become ``softcap * tanh(scores / softcap)`` first (Gemma 2);
-      * ``alibi_slopes``: (H,) or (B, H); adds ``-slope * |i + Nk - Nq - j|`` (BLOOM, MPT);
+      * ``alibi_slopes``: (H,) or (B, H); adds ``-slope * |i + Nk - Nq - j|`` (BLOOM, MPT); fixed
+        (slopes that require grad are refused: no kernel computes their gradient);
       * ``sinks``: (H,) learned logits, one per head, that join each row's softmax denominator
         without a value (gpt-oss's ``s_aux``); they get their gradient.
     Query rows with no allowed key give 0 (and 0 gradient). Under ``torch.autocast`` the floating
@@ -181,26 +165,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if window_size is not None:
         window_size = _window(window_size)
     if softcap is not None and type(softcap) is not float:
-        softcap = _real("softcap", softcap)
+        softcap = real_scalar("softcap", softcap)
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
+    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+        check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
-        return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, bool(is_causal), scale,
-                                               bool(enable_gqa), key_padding_mask, None, window_size, softcap,
+        return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                               enable_gqa, key_padding_mask, None, window_size, softcap,
                                                alibi_slopes, sinks)
     check_tensors(query=query, key=key, value=value)
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         return torch.ops.transformer_fast.scaled_dot_product_attention(
-            query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale=scale, enable_gqa=bool(enable_gqa),
+            query, key, value, attn_mask, float(dropout_p), is_causal, scale=scale, enable_gqa=enable_gqa,
             key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
             sinks=sinks)
     q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras = _C.attention_args(
-        query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), key_padding_mask,
+        query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa, key_padding_mask,
         window_size, softcap, alibi_slopes, sinks)
-    out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, bool(is_causal), scale,
+    out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
                               float(dropout_p), _dropout_seed(dropout_p), extras)[0]
     return out[0] if unbatched else out
 
@@ -224,7 +210,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     ``seqused_k`` (B,) int32: only the first ``seqused_k[b]`` keys of each sequence are used (a
     KV-cache slot longer than what is filled). ``block_table`` (B, pages) int32 with ``key``/``value``
     (num_pages, page_size, Hk, D): a paged cache, pages in any order (needs ``seqused_k``;
-    ``cu_seq_k`` may then be None). Both are inference-only, as in torch. ``num_splits``: how many
+    ``cu_seq_k`` is then not read and may be None). Both are inference-only, as in torch. ``num_splits``: how many
     parts a sequence's keys may be split into for decoding (None: chosen automatically; 1: never).
     ``softcap``, ``alibi_slopes`` ((H,) or (B, H)), ``sinks`` ((H,)) and ``dropout_p`` as in
     ``scaled_dot_product_attention``. Returns (Tq, H, Dv), and with ``return_aux.lse`` also the
@@ -234,12 +220,13 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         scale = _check_scale(scale)
     window_size = _window(window_size, allow_none=False)
     if softcap is not None and type(softcap) is not float:
-        softcap = _real("softcap", softcap)
+        softcap = real_scalar("softcap", softcap)
     for name, n in (("max_q", max_q), ("max_k", max_k)):
         if not isinstance(n, numbers.Integral) or isinstance(n, bool):
             raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)):
         raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    check_bools(enable_gqa=enable_gqa)
     return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
@@ -248,7 +235,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         args = (query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale, list(window_size),
-                bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
+                enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
                 None)
         if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
             out, lse = _C.varlen_attn(*args)
@@ -257,7 +244,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     else:
         q, k, v, _, _, scale, _, extras = _C.varlen_args(
             query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, list(window_size),
-            bool(enable_gqa), seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
+            enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
         out, lse = _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
                                        _dropout_seed(dropout_p), extras)
     return (out, lse) if return_lse else out

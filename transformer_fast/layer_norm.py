@@ -24,7 +24,8 @@ import torch
 
 from . import _backends, _build, _explicit
 from ._backends import KERNEL_DTYPES
-from ._calls import check_tensors, direct, dynamo_compiling
+from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
+from ._validation import real_scalar
 
 _C, _ = _build.load()
 _promote = torch.promote_types
@@ -53,6 +54,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     if isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
     check_tensors(input=x)
+    check_optional_tensors(weight=weight, bias=bias, residual=residual)
     # the residual add promotes (x + r): the kernels run in the promoted dtype
     dtype = x.dtype if not isinstance(residual, torch.Tensor) else torch.promote_types(x.dtype, residual.dtype)
     transformed = _explicit.differentiable_forms_needed()
@@ -79,6 +81,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
     ``torch.autocast`` it follows torch's rule for ``layer_norm``: float32 on CUDA, the input's
     dtype on the CPU.
     """
+    if eps is not None and type(eps) is not float:
+        eps = real_scalar("eps", eps)
     if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight, bias)
             and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
                                                        or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
@@ -89,7 +93,11 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, backend="auto"):
     """Fused RMSNorm, a drop-in for ``torch.nn.functional.rms_norm``: ``h / sqrt(mean(h^2) + eps)
-    * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``."""
+    * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``. As
+    torch's, it takes a weight of any floating dtype (a bfloat16 ``nn.RMSNorm`` on float32
+    activations): y has h's dtype, and the weight is multiplied in float32 (float64 for float64 h)."""
+    if eps is not None and type(eps) is not float:
+        eps = real_scalar("eps", eps)
     if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight)
             and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
                                                        or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):

@@ -25,7 +25,7 @@ import torch
 
 from . import _backends, _build, _explicit
 from ._calls import check_tensors, direct, dynamo_compiling
-from ._validation import check_tensor
+from ._validation import check_bools, check_tensor, real_scalar
 
 _C, _ = _build.load()
 
@@ -89,13 +89,17 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     unpadded key. Gradients flow into the initial state and from the final state.
     """
     S0, z0 = _state_pair("initial_state", initial_state)
+    if type(is_causal) is not bool or type(output_final_state) is not bool:
+        check_bools(is_causal=is_causal, output_final_state=output_final_state)
+    if type(eps) is not float:
+        eps = real_scalar("eps", eps, optional=False)
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, key_padding_mask, S0, z0)):
-        out, S, z = _C.linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps, S0, z0,
-                                        bool(output_final_state))
+        out, S, z = _C.linear_attention(query, key, value, is_causal, key_padding_mask, eps, S0, z0,
+                                        output_final_state)
     else:
-        out, S, z = _linear_attention(query, key, value, bool(is_causal), key_padding_mask, eps, S0, z0,
-                                      bool(output_final_state), backend)
+        out, S, z = _linear_attention(query, key, value, is_causal, key_padding_mask, eps, S0, z0,
+                                      output_final_state, backend)
     return (out, LinearAttentionState(S, z)) if output_final_state else out
 
 
