@@ -214,6 +214,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 float* s = S.data() + r * ldS;
                 const Vec shift(lse_t[r]), mult(s_scale);
                 at::vec::map([shift, mult](Vec x) { return exp_softmax(at::vec::fmsub(x, mult, shift)); }, s, s, bn);
+                if (delta_from_p) renormalize_row(s, bn, lse_t[r]);
                 if (masked) {
                   for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
                 }

@@ -39,3 +39,24 @@ def test_tiny_peaked_gradients_within_twice_torchs_error(dtype):
             if max_error(a, e) > bound:
                 worst.append((name, (nq, nk, d, scale), max_error(a, e), max_error(t, e)))
     assert not worst, f"{len(worst)} gradients over 2x torch's error: {worst[:5]}"
+
+
+def test_fp32_peaked_rows_as_accurate_as_torch():
+    """fp32 at scales 1-3 (T5's unscaled scores) over a few keys: |lse| ~ 50, whose rounding to fp32
+    scales a row's whole P = exp(S - lse) by 1 + |lse| 2^-24; the C++ backward divides a row that
+    fits one key block by its sum. Without that, dQ erred a median 1.4x torch's own SDPA over these
+    cases (worst 10x; 1.9-2.9x over the few-key ones alone); with it, 0.7-0.9x."""
+    torch.manual_seed(0)
+    ratios = {"dq": [], "dk": []}
+    for nq, nk, d, scale in ((17, 5, 40, 3.0), (17, 5, 64, 1.0), (1, 5, 64, 1.0), (17, 60, 64, 1.0)):
+        for _ in range(12):
+            q, k, v, dout = (torch.randn(1, 2, n, w) for n, w in ((nq, d), (nk, d), (nk, d), (nq, d)))
+            exact = gradients(F.scaled_dot_product_attention, *(t.double() for t in (q, k, v, dout)), scale)
+            theirs = gradients(F.scaled_dot_product_attention, q, k, v, dout, scale)
+            ours = gradients(lambda *a, **kw: tf.scaled_dot_product_attention(*a, backend="cpp", **kw),
+                             q, k, v, dout, scale)
+            for i, name in enumerate(ratios):
+                ratios[name].append(max_error(ours[i], exact[i]) / max(max_error(theirs[i], exact[i]), 1e-30))
+    for name, r in ratios.items():
+        median = sorted(r)[len(r) // 2]
+        assert median <= 1.2, f"{name}: median {median:.2f}x torch's error (worst {max(r):.1f}x)"
