@@ -86,19 +86,12 @@ struct Io<float> {
   }
 };
 
-inline float lane_sum(const Vec& v) {
+// The lanes of v, added in Acc.
+template <typename Acc = float>
+inline Acc lane_sum(const Vec& v) {
   alignas(64) float tmp[kVec];
   v.store(tmp);
-  float s = 0.f;
-  for (int64_t i = 0; i < kVec; ++i) s += tmp[i];
-  return s;
-}
-
-// The lanes of v, added in double.
-inline double lane_sum_double(const Vec& v) {
-  alignas(64) float tmp[kVec];
-  v.store(tmp);
-  double s = 0;
+  Acc s = 0;
   for (int64_t i = 0; i < kVec; ++i) s += tmp[i];
   return s;
 }
@@ -161,7 +154,7 @@ inline void forward_row(const T* x, const T* r, T* h_out, T* y, const float* w, 
         acc_a = at::vec::fmadd(ha, ha, acc_a);
         acc_b = at::vec::fmadd(hb, hb, acc_b);
       }
-      sumsq += lane_sum_double(acc_a) + lane_sum_double(acc_b);
+      sumsq += lane_sum<double>(acc_a) + lane_sum<double>(acc_b);
     }
     if (j < N) {
       Vec ha, hb;

@@ -210,8 +210,9 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     ``seqused_k`` (B,) int32: only the first ``seqused_k[b]`` keys of each sequence are used (a
     KV-cache slot longer than what is filled). ``block_table`` (B, pages) int32 with ``key``/``value``
     (num_pages, page_size, Hk, D): a paged cache, pages in any order (needs ``seqused_k``;
-    ``cu_seq_k`` is then not read and may be None). Both are inference-only, as in torch. ``num_splits``: how many
-    parts a sequence's keys may be split into for decoding (None: chosen automatically; 1: never).
+    ``cu_seq_k`` is then not read and may be None). Both are inference-only, as in torch.
+    ``num_splits``: how many parts a sequence's keys may be split into for decoding (None: chosen
+    automatically; 1: never).
     ``softcap``, ``alibi_slopes`` ((H,) or (B, H)), ``sinks`` ((H,)) and ``dropout_p`` as in
     ``scaled_dot_product_attention``. Returns (Tq, H, Dv), and with ``return_aux.lse`` also the
     log-sum-exp, (H, Tq) float32 (the layout torch's kernel returns).
