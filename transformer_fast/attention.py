@@ -227,7 +227,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
             raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)):
         raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
-    check_bools(enable_gqa=enable_gqa)
+    if type(enable_gqa) is not bool:
+        check_bools(enable_gqa=enable_gqa)
     return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
