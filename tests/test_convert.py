@@ -147,8 +147,8 @@ def test_convert_inplace_and_idempotent():
 
 def test_convert_in_place_keeps_the_parameters_an_optimizer_holds():
     """The README's ``model = convert(model)``: the same model and the same Parameter objects, so
-    an optimizer built before the swap trains the converted model (it used to train an orphaned
-    copy's originals), and nothing is copied."""
+    an optimizer built before the swap trains the converted model (not an orphaned copy's
+    originals), and nothing is copied."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), nn.LayerNorm(E))
     params = list(model.parameters())

@@ -1,6 +1,6 @@
-"""Float64 inputs get float64-accurate results and gradients on every function (the statistics
-and recurrent state used to be kept in float32), and ``scale`` takes any real scalar, as torch's
-SDPA does (a NumPy number or a one-element tensor used to raise TypeError)."""
+"""Float64 inputs get float64-accurate results and gradients on every function (statistics
+and recurrent state are not kept in float32), and ``scale`` takes any real scalar, as torch's
+SDPA does (a NumPy number or a one-element tensor included)."""
 import numpy as np
 import pytest
 import torch

@@ -344,7 +344,7 @@ def test_cpp_weight_gradient_is_deterministic():
 @pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
 def test_zero_rows(backend):
     """No rows: empty results of the input's shape and gradients of it, whatever the strides (an
-    empty slice with a stride of 2 along the row used to fail the kernels' unit-stride check)."""
+    empty slice with a stride of 2 along the row must pass the kernels' unit-stride check)."""
     _skip_unavailable(backend)
     inputs = {"contiguous": lambda: torch.randn(0, 3, 16),
               "stride 2 along the row": lambda: torch.randn(0, 3, 32)[..., ::2],
@@ -365,8 +365,8 @@ def test_zero_rows(backend):
 @pytest.mark.parametrize("fn", [tf.layer_norm, tf.rms_norm], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("shape,normalized_shape", [((3, 0), (0,)), ((2, 3, 0), (3, 0)), ((0, 0), (0,))])
 def test_rows_of_no_elements(fn, shape, normalized_shape):
-    """As torch's: empty outputs of the input's shape, and gradients of it (these used to fail in a
-    reshape with a RuntimeError)."""
+    """As torch's: empty outputs of the input's shape, and gradients of it (a reshape of
+    these must not raise)."""
     x = torch.randn(shape, requires_grad=True)
     r = torch.randn(shape)
     y = fn(x, normalized_shape)

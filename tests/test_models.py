@@ -198,7 +198,7 @@ def test_decode_step_cache_growth(attention):
 
 
 def test_generate_checks_its_length_budget_up_front(monkeypatch):
-    """Past max_len, generate used to fail mid-decode; it refuses before decoding anything."""
+    """Past max_len, generate refuses before decoding anything rather than failing mid-decode."""
     model = make_model(max_len=8)
     steps = []
     original = model.decode_step
