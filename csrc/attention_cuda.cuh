@@ -92,7 +92,7 @@ __device__ inline float masked_score(const Problem& p, float dot, int64_t b, int
 // reads the same row element) against the lane's own vector x, in kParts partial sums (element d
 // goes to sum d % kParts) added pairwise at the end. One running sum over up to 256 elements lost
 // 4-5x the reference's accuracy in dS = P (dP - delta) where that cancels (rows with one allowed
-// key; measured in the CPU emulation with FMAs; docs/design.md); the partial sums are also
+// key; measured in the CPU emulation with FMAs; docs/attention.md); the partial sums are also
 // independent FMA chains.
 constexpr int kParts = 8;
 

@@ -50,7 +50,7 @@ using cpu_blas::gemm;
 
 // Per-thread tile buffers start on a cache line. With malloc's 16-byte alignment every 64-byte
 // vector load and store of a tile row straddled two lines: the bf16 forward's row max alone cost
-// as much as a fifth of its tile products (docs/design.md). They are not zero-filled (a decode
+// as much as a fifth of its tile products (docs/attention.md). They are not zero-filled (a decode
 // call's 140 KB of them took 5% of its time): the kernels write what they read, and under
 // TRANSFORMER_FAST_POISON=1 (as the extension loads) the buffers are NaN-filled, so that the tests
 // catch a read of anything unwritten.
@@ -163,8 +163,8 @@ class TaskQueue {
 // Runs worker(queue) on each of at::parallel_for's threads, which take the tasks from one queue.
 // at::parallel_for alone gives each thread one fixed share of the tasks; when one core runs
 // slower for a while (common on a shared VM), the other then waits at the end of the call
-// (forward+backward 4% faster this way; docs/design.md). Each task writes its own outputs,
-// so which thread runs it does not change the result.
+// (forward+backward 2.6% and 4.0% faster in two A/B runs; docs/attention.md). Each task writes
+// its own outputs, so which thread runs it does not change the result.
 template <typename Worker>
 void parallel_tasks(int64_t n, Worker&& worker) {
   TaskQueue queue(n);
@@ -176,7 +176,7 @@ struct Blocks {
 };
 
 // Tile sizes (measured on 2 threads, fp32, D = 64, N = 2048; the alternatives measured are in
-// docs/design.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
+// docs/attention.md). Forward: 256 x 512, as PyTorch's CPU flash attention, fewer query rows
 // when that leaves too few tasks for the threads; 256 keys in bf16/fp16 with a causal mask or a
 // window, whose packed K^T blocks then end nearer the band (a query block computes the scores up
 // to the end of the block holding its last allowed key). Backward: 128 query rows (or the forward's, where

@@ -2,7 +2,7 @@
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) tables per head-dim class and precision, the
 autotune configs built from them, the pruning that picks a call's table, and the autotune key.
 
-Which tiles are listed, and why, is in docs/design.md ("Tiles"); the compile check
+Which tiles are listed, and why, is in docs/attention.md ("Tiles"); the compile check
 (kernels/compile_check.py) builds every one of them for sm_80 and sm_90.
 """
 import triton
@@ -19,7 +19,7 @@ def block_dims(d, dv):
     block would be narrower, the value block is widened to BLOCK_D. On an H100, Triton 3.6
     miscompiled the forward for (D, Dv) = (40, 23) and (24, 11), with wrong outputs and
     out-of-range shared-memory accesses (compute-sanitizer), while (48, 23), (80, 23), (80, 40)
-    and ten other pairs with a padded head dim were right without widening (docs/design.md).
+    and ten other pairs with a padded head dim were right without widening (docs/attention.md).
     Widening wherever a head dim is padded would cost spills (dK/dV at (80, 40): 14 KB on sm_80).
     The extra value columns are loaded as zeros and never stored."""
     block_d, block_dv = block_dim(d), block_dim(dv)

@@ -9,7 +9,7 @@ prints each one's time, registers and spills, and its largest relative differenc
 candidate's output, dK/dV or dQ (a wrong tile shows up there). The candidates are compiled first in
 `--jobs` worker processes (Triton compiles one kernel at a time per process; the workers fill
 Triton's on-disk cache, the timing process then loads from it). The bf16/fp16 backward tile
-tables in kernels/attention_tiles.py were chosen from its output (docs/design.md, "Tiles"); the
+tables in kernels/attention_tiles.py were chosen from its output (docs/attention.md, "Tiles"); the
 forward's candidates are its table's and larger tiles that the table leaves out for spills with
 masks (with no mask they may not spill).
 """
