@@ -1,7 +1,7 @@
 """The C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh), run on CPU threads by
 tests/cuda_emulation.cpp, against the float64 reference: their logic, tested where there is no GPU
-(slow, ~1 s per small case: shapes stay tiny). On a GPU, test_attention.py's gpu tests run them for
-real."""
+(slow, ~1 s per small case: shapes stay tiny). On a GPU, test_attention_cuda.py's gpu tests run them
+for real."""
 import os
 import platform
 
