@@ -159,7 +159,8 @@ def check_cuda_sources(archs):
                 start = time.time()
                 cmd = [nvcc, "-c", os.path.join(csrc, source), "-o", os.path.join(tmp, "k.o"),
                        f"-gencode=arch=compute_{cap},code=sm_{cap}", "-Xptxas", "-v",
-                       *cpp_extension.COMMON_NVCC_FLAGS, *_build_config.extra_cuda_cflags(), *includes]
+                       *cpp_extension.COMMON_NVCC_FLAGS, *_build_config.extra_cuda_cflags(), *includes,
+                       "-std=c++20"]  # what cpp_extension passes a build from torch 2.13 on (2.14 requires it)
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
                     failures.append(f"{source} sm_{cap}: {result.stderr[-3000:]}")

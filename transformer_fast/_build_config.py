@@ -35,8 +35,10 @@ def source_paths(csrc_dir, cuda=False):
 
 
 def extra_cuda_cflags():
-    """nvcc flags (torch adds its own, and the architectures of TORCH_CUDA_ARCH_LIST or the GPUs present)."""
-    return ["-O3", "-std=c++17", CUDA_DEFINE]
+    """nvcc flags (torch adds its own, and the architectures of TORCH_CUDA_ARCH_LIST or the GPUs present).
+    No -std: cpp_extension passes the C++ standard the installed torch's headers need, as for the
+    C++ sources (extra_cflags)."""
+    return ["-O3", CUDA_DEFINE]
 
 
 def extra_cflags(cuda=False):
@@ -48,9 +50,12 @@ def extra_cflags(cuda=False):
     -g0 drops the debug information that Python's own CFLAGS ask for (-g): nearly all of it
     describes torch's headers, and it doubled the build (370 s against 189 s on 2 cores) and made
     the library 50 MB instead of 2. It does not change the generated code.
-    TRANSFORMER_FAST_DEBUG_INFO=1 keeps it, for a debugger."""
+    TRANSFORMER_FAST_DEBUG_INFO=1 keeps it, for a debugger.
+
+    No -std: torch's cpp_extension adds the standard its headers need when none is given (C++20
+    from torch 2.13 on; torch 2.14's headers refuse C++17, with which the build failed)."""
     debug = ["-g"] if os.environ.get("TRANSFORMER_FAST_DEBUG_INFO") == "1" else ["-g0"]
-    flags = ["-O3", *debug, "-fno-math-errno", "-std=c++17", "-fopenmp"] + ([CUDA_DEFINE] if cuda else [])
+    flags = ["-O3", *debug, "-fno-math-errno", "-fopenmp"] + ([CUDA_DEFINE] if cuda else [])
     if platform.machine() not in ("x86_64", "AMD64"):
         return flags
     if os.environ.get("TRANSFORMER_FAST_PORTABLE") == "1":
