@@ -342,7 +342,27 @@ def test_without_the_extension_the_import_says_why(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                             cwd=tmp_path)
     assert "ImportError: transformer_fast needs its C++ extension" in result.stdout, result.stdout + result.stderr
-    assert "JIT build failed" in result.stdout
+    failure = result.stdout.split("JIT build failed: RuntimeError: ")[-1]
+    assert "/nonexistent/c++" in failure, result.stdout  # the shell's message, not ninja's last line
+
+
+def test_a_failed_jit_build_names_the_compilers_error(tmp_path):
+    """The ImportError quotes the compiler's first error, not ninja's closing "build stopped" (a
+    torch whose headers need another C++ standard said only that)."""
+    compiler = tmp_path / "c++"
+    compiler.write_text('#!/bin/sh\ncase " $* " in *" -c "*)\n'
+                        '  echo "csrc/schemas.cpp:1:2: error: this stand-in compiler refuses every source" >&2; exit 1;;\n'
+                        'esac\nexec c++ "$@"\n')
+    compiler.chmod(0o755)
+    code = ("import sys, warnings; sys.modules['transformer_fast._C'] = None\n"
+            "warnings.simplefilter('ignore')\n"
+            "try:\n    import transformer_fast\n"
+            "except ImportError as exc:\n    print('ImportError:', exc)\n")
+    env = dict(os.environ, CXX=str(compiler), TRANSFORMER_FAST_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path)
+    assert "JIT build failed: RuntimeError: csrc/schemas.cpp:1:2: error: this stand-in compiler refuses every source" \
+        in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.usefixtures("skip_unavailable_backend")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import warnings
 
 import torch
@@ -88,6 +89,16 @@ def _warn_if_older_than_sources(binary):
                       f"run the old code", RuntimeWarning, stacklevel=4)
 
 
+def _build_failure(exc):
+    """The line of a failed build that says why: the compiler's first error, or the shell's
+    complaint about a missing compiler (cpp_extension's message holds their output and ends in
+    ninja's "build stopped"), else its last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines
+              if re.search(r"\berror\b|: not found|No such file", line) and not line.startswith("Error building")]
+    return (errors[0] if errors else lines[-1] if lines else "")[:500]
+
+
 @functools.lru_cache(maxsize=None)
 def load():
     """(module, None), or (None, the reason it cannot be loaded). Loaded once: a second
@@ -98,12 +109,13 @@ def load():
         _warn_if_older_than_sources(_C.__file__)
         return _C, None
     except ImportError as exc:
-        prebuilt_error = exc
+        # A missing module reads "cannot import name '_C' from partially initialized module".
+        prebuilt_error = "none was built" if "cannot import name '_C'" in str(exc) else exc
     try:
         return _jit_build(), None
     except Exception as exc:  # noqa: BLE001 - compiler missing, build error, ...
         reason = (f"no prebuilt transformer_fast._C ({prebuilt_error}) and the JIT build failed: "
-                  f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+                  f"{type(exc).__name__}: {_build_failure(exc)} (the whole log: TRANSFORMER_FAST_VERBOSE_BUILD=1)")
         warnings.warn(f"transformer_fast: the C++ extension is unavailable, so are the ops. Cause: {reason}",
                       RuntimeWarning, stacklevel=3)
         return None, reason
