@@ -85,8 +85,10 @@ setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
     package_data={"transformer_fast.csrc": ["*.cpp", "*.h", "*.cu", "*.cuh"]},
-    # A range that the CPU wheel 2.13 satisfies; install torch first so pip never picks a CUDA build.
-    install_requires=["torch>=2.4,<2.15", "numpy"],
+    # No upper bound: the extension is compiled against whichever torch is installed, and a cap
+    # below it would make pip replace the user's torch (a multi-GB CUDA build). Install torch
+    # first so that pip never picks one itself.
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "triton": ["triton>=3.2"],
         "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja", "transformers>=5", "matplotlib", "tqdm"],
