@@ -99,13 +99,20 @@ BACKENDS = ["reference", "cpp", pytest.param("triton", marks=pytest.mark.triton)
 LOW_PRECISION = {"reference": torch.float32, "cpp": torch.bfloat16, "triton": torch.float16}
 
 
+def need_backend(backend):
+    """Skips the calling test, with the reason, where ``backend`` is unavailable."""
+    reason = tf.available_backends()[backend]
+    if reason is not None:
+        pytest.skip(f"{backend} backend unavailable: {reason}")
+
+
 @pytest.fixture
 def skip_unavailable_backend(request):
     """Skips a test parametrized with an unavailable ``backend``, with the reason. A module opts
     in with ``pytestmark = pytest.mark.usefixtures("skip_unavailable_backend")``."""
     backend = request.node.callspec.params.get("backend") if hasattr(request.node, "callspec") else None
-    if backend is not None and tf.available_backends()[backend] is not None:
-        pytest.skip(f"{backend} backend unavailable: {tf.available_backends()[backend]}")
+    if backend is not None:
+        need_backend(backend)
 
 
 def result_strides(like, width):

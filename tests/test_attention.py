@@ -12,15 +12,9 @@ from transformer_fast import _backends, _build, reference
 
 from attention_cases import (check_attention, check_garbage_does_not_leak, check_value_gradient, dropout_keep_mask,
                              inside_nan, make_qkv, random_attn_mask, random_key_padding)
-from helpers import compare_with_reference, result_strides
+from helpers import compare_with_reference, need_backend, result_strides
 
 BACKENDS = ["reference", "cpp"]
-
-
-def _need(backend):
-    reason = tf.available_backends()[backend]
-    if reason is not None:
-        pytest.skip(f"{backend} backend unavailable: {reason}")
 
 
 def _dtypes(backend):
@@ -83,7 +77,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Hk{}q{}k{}D{}Dv{}{}{}".format(
     *s[:7], "-causal" if s[7] else "", "-" + s[8]))
 def test_shapes_and_layouts(backend, dtype, shape):
-    _need(backend)
+    need_backend(backend)
     B, H, Hk, Nq, Nk, D, Dv, is_causal, layout = shape
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype, layout=layout)
     check_attention(backend, q, k, v, is_causal=is_causal)
@@ -116,7 +110,7 @@ def _mask_shape(spec, B, H, Nq, Nk):
 @pytest.mark.parametrize("case", MASKS, ids=lambda c: "{}-{}{}{}-B{}H{}q{}k{}D{}Dv{}".format(
     c[0], c[1], "-pad" if c[2] else "", "-causal" if c[3] else "", *c[4:]))
 def test_masks(backend, dtype, case):
-    _need(backend)
+    need_backend(backend)
     kind, spec, padded, is_causal, B, H, Nq, Nk, D, Dv = case
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, dtype=dtype)
     attn_mask = None if kind is None else random_attn_mask(_mask_shape(spec, B, H, Nq, Nk), kind, dtype=dtype)
@@ -126,7 +120,7 @@ def test_masks(backend, dtype, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_scale_and_non_contiguous_mask(backend):
-    _need(backend)
+    need_backend(backend)
     q, k, v = make_qkv(2, 3, 33, 47, 24, 40, layout="bnhd")
     mask = random_attn_mask((2, 3, 47, 33), "float").transpose(-2, -1)  # strided along keys
     check_attention(backend, q, k, v, attn_mask=mask, scale=0.37)
@@ -148,7 +142,7 @@ PEAKED = [  # (B, H, Hk, Nq, Nk, D, Dv, is_causal, scale)
 @pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 @pytest.mark.parametrize("case", PEAKED, ids=str)
 def test_peaked_softmax(backend, dtype, case):
-    _need(backend)
+    need_backend(backend)
     B, H, Hk, Nq, Nk, D, Dv, is_causal, scale = case
     for _ in range(3):  # fresh inputs each time: the error of one draw may be small by chance
         q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
@@ -169,7 +163,7 @@ def test_few_queries_with_wide_heads(case):
     The register tiles' one FMA chain per element gave the output and dQ of such shapes 2-9x the
     reference's error under a peaked softmax (fuzzing; docs/design.md); both cases fail
     with them. Packed products forced: the path where the scores would use register tiles."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Hk, Nq, Nk, D, Dv, is_causal, scale = case
     for _ in range(6):
         q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, layout="bnhd")
@@ -191,7 +185,7 @@ def test_packed_bf16_products_over_ragged_key_blocks(case):
     columns there, so those products write scores past the block's keys, which nothing may read
     (the softcap's tanh tile shares their row length). Forward and backward against float64, with
     k and v views into NaN-filled storage, so a read past their rows would show."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Hk, Nq, Nk, D, Dv, is_causal, softcap = case
     torch.manual_seed(Nk)
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=torch.bfloat16)
@@ -219,7 +213,7 @@ def test_bf16_short_reductions_match_the_reference(case):
     neither reference formulation exactly: over 20 draws of each shape its dQ/dK errors are a
     median 0.5-0.64x the reference's, 1.2x at most. Non-causal with 2 or more keys: a single key
     makes dS an exact cancellation whose rounding no bound relative to the reference fits."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Hk, Nq, Nk, D, Dv = case
     for _ in range(20):
         q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=torch.bfloat16)
@@ -233,7 +227,7 @@ def test_value_gradient_of_one_key_summed_over_many_rows(pad_to_one_key):
     its terms one after another; through that, fp32 dV had 1.4x the reference's error in the
     median draw (2x at worst, more in fuzzing). The C++ products with one or two output rows sum
     in chunks (csrc/cpu_blas.h): 0.3x, 0.5x at worst. So this asserts 1x, not the usual 2x."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Hk, Nq, D = 2, 6, 2, 300, 64
     Nk = 3 if pad_to_one_key else 1
     pad = torch.tensor([[False, True, True], [True, False, True]]) if pad_to_one_key else None
@@ -251,7 +245,7 @@ def test_garbage_in_masked_keys_does_not_leak(backend, dtype, is_causal):
     """NaN/inf stored in padded keys and values (and in keys right of the causal diagonal, when
     every query is left of them) must not reach the output or the gradients. (The packed bf16
     products pack V blocks ahead; an odd Nk gives them a zero pad row.)"""
-    _need(backend)
+    need_backend(backend)
     B, H, Nq, Nk, D = 3, 2, 40, 151, 64
     q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
@@ -272,7 +266,7 @@ def test_garbage_after_the_last_key_does_not_leak(dtype, is_causal):
     over the whole packed block, whose padded rows must then be zeros. NaN/inf in the padded keys
     and values, sequences ending inside a tile after an odd and an even number of its keys, at a
     tile's start and in the first of two tiles (512 keys a tile)."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Nq, Nk, D = 6, 2, 33, 600, 64
     q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
     lengths = torch.tensor([600, 513, 518, 300, 7, 512])
@@ -285,7 +279,7 @@ def test_garbage_after_the_last_key_does_not_leak(dtype, is_causal):
 def test_nan_in_a_query_shows_in_its_row_only(backend, dtype):
     """A NaN in an (unmasked) query makes that query's output NaN, as in PyTorch, and leaves the
     other rows alone: a NaN score must not turn into a zero probability."""
-    _need(backend)
+    need_backend(backend)
     B, H, Nq, Nk, D = 2, 2, 70, 300, 64
     q, k, v = make_qkv(B, H, Nq, Nk, D, dtype=dtype)
     q[1, 0, 33, 7] = float("nan")
@@ -301,7 +295,7 @@ def test_nan_in_a_query_shows_in_its_row_only(backend, dtype):
 def test_log_sum_exp(backend):
     """The kernel-level lse: the row's log-sum-exp of the scaled masked scores, +inf for rows
     with no allowed key."""
-    _need(backend)
+    need_backend(backend)
     B, H, Nq, Nk, D = 2, 3, 37, 70, 32
     q, k, v = make_qkv(B, H, Nq, Nk, D)
     pad = random_key_padding(B, Nk, fully_padded_row=1)
@@ -322,7 +316,7 @@ def test_log_sum_exp(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("Nq,Nk", [(0, 5), (5, 0), (0, 0)])
 def test_empty_sequences(backend, Nq, Nk):
-    _need(backend)
+    need_backend(backend)
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 3, Nq, Nk, 16, 24))
     out = tf.scaled_dot_product_attention(q, k, v, key_padding_mask=torch.zeros(2, Nk, dtype=torch.bool),
                                           backend=backend)
@@ -334,7 +328,7 @@ def test_empty_sequences(backend, Nq, Nk):
 
 @pytest.mark.parametrize("backend,dtype,products", _backend_dtype_params())
 def test_deterministic(backend, dtype):
-    _need(backend)
+    need_backend(backend)
     q, k, v = make_qkv(2, 4, 130, 250, 64, dtype=dtype, Hk=2)
     pad = random_key_padding(2, 250)
 
@@ -362,7 +356,7 @@ def _sdpa_seeded(backend, seed, **kwargs):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_same_seed_same_result(backend):
-    _need(backend)
+    need_backend(backend)
     q, k, v = make_qkv(2, 3, 45, 77, 32)
     a = _sdpa_seeded(backend, 1, dropout_p=0.3)(q, k, v)
     b = _sdpa_seeded(backend, 1, dropout_p=0.3)(q, k, v)
@@ -375,7 +369,7 @@ def test_dropout_same_seed_same_result(backend):
 def test_dropout_is_unbiased(backend):
     """The mean over many seeds approaches the output without dropout, and about 1 - p of the
     probabilities are kept."""
-    _need(backend)
+    need_backend(backend)
     p, runs = 0.25, 400
     q, k, v = make_qkv(2, 2, 16, 16, 16)
     expected = tf.scaled_dot_product_attention(q, k, v, backend=backend)
@@ -393,7 +387,7 @@ def test_dropout_gradients_match_reference_with_the_same_mask(backend, dtype, is
     """The keep mask is recovered by running with v = identity (out = P * mask / (1 - p), and
     P > 0 wherever a key is allowed); output and gradients for a random v must then match the
     reference given that mask, so the backward regenerates the forward's mask exactly."""
-    _need(backend)
+    need_backend(backend)
     B, H, Nq, Nk, D, Dv, p, seed = 2, 3, 37, 70, 24, 72, 0.3, 1234
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
     pad = random_key_padding(B, Nk)
@@ -415,7 +409,7 @@ def test_dropout_gradients_match_reference_with_the_same_mask(backend, dtype, is
 # torch.compile and the op registration with the C++ backend
 # ---------------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph():
-    _need("cpp")
+    need_backend("cpp")
     q, k, v = make_qkv(2, 4, 33, 50, 40)
     pad = random_key_padding(2, 50)
     mask = random_attn_mask((33, 50), "float")
@@ -438,7 +432,7 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_cpp(dtype):
-    _need("cpp")
+    need_backend("cpp")
     B, H, Nq, Nk = 2, 4, 9, 13
     q = torch.randn(B, H, Nq, 16, dtype=dtype, requires_grad=True)
     k = torch.randn(B, 2, Nk, 16, dtype=dtype, requires_grad=True)
@@ -457,7 +451,7 @@ def test_opcheck_cpp(dtype):
 
 def test_float16_cpp():
     """fp16 runs the same kernel (tile products in fp32 through the fallback product)."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Nq, Nk = 2, 2, 70, 45
     q, k, v = make_qkv(B, H, Nq, Nk, 40, 24, dtype=torch.float16, layout="bnhd")
     pad = random_key_padding(B, Nk, fully_padded_row=1)
@@ -492,7 +486,7 @@ class _CppAttention(torch.autograd.Function):
 def test_cpp_entry_points_empty_problems(B, H, Hk, Nq, Nk, dtype):
     """No query rows or no keys: out = 0, lse = +inf, zero gradients (laid out as their inputs) and
     dmask."""
-    _need("cpp")
+    need_backend("cpp")
     C = _build.extension()
     q, k, v = make_qkv(B, H, Nq, Nk, 16, 24, Hk=Hk, dtype=dtype, layout="bnhd")
     mask, pad = torch.randn(B, H, Nq, Nk, dtype=dtype), torch.zeros(B, Nk, dtype=torch.bool)
@@ -520,7 +514,7 @@ def test_cpp_entry_points_head_dim_0(D, Dv, dtype):
     values of its allowed keys); with Dv = 0 out is empty, lse still each row's log-sum-exp, and the
     gradients are 0. The packed products, whose register tiles leave a product over an empty
     reduction unwritten, must not be used for them."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Hk, Nq, Nk, scale = 2, 4, 2, 37, 70, 0.25
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
     mask = random_attn_mask((B, H, Nq, Nk), "float", dtype=dtype)
@@ -543,7 +537,7 @@ def test_cpp_entry_points_head_dim_0(D, Dv, dtype):
 def test_cpp_entry_points_reject_inconsistent_shapes():
     """The kernels read k, v, dout, out and lse by the sizes of q (and k): a mismatch is a
     ValueError naming the tensor, not a read past its end."""
-    _need("cpp")
+    need_backend("cpp")
     C = _build.extension()
     q, k, v = make_qkv(2, 4, 5, 7, 16, 8, Hk=2)
     for args, match in [((q, k[:1], v), r"k must have shape \[2, 2, 7, 16\], got \[1, 2, 7, 16\]"),

@@ -9,12 +9,7 @@ from transformer_fast import _backends
 
 from attention_cases import (GPU_HEAD_DIMS, check_attention, check_gpu_grid, kernel_attention_backward,
                              kernel_attention_forward, make_qkv, random_key_padding)
-
-
-def _need(backend):
-    reason = tf.available_backends()[backend]
-    if reason is not None:
-        pytest.skip(f"{backend} backend unavailable: {reason}")
+from helpers import need_backend
 
 
 def _need_cpp_cuda():
@@ -39,7 +34,7 @@ def test_gpu_cpp_cuda_dropout_drops_what_the_cpu_kernel_drops(is_causal):
     """One hash (csrc/attention.h) on both devices: the same seed keeps the same probabilities,
     so the CUDA output and gradients match the CPU kernel's (themselves checked against the
     reference with the recovered mask in test_attention.py)."""
-    _need("cpp")
+    need_backend("cpp")
     _need_cpp_cuda()
     B, H, Hk, Nq, Nk, D, p, seed = 2, 4, 2, 77, 130, 64, 0.25, 99
     q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)

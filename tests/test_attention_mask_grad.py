@@ -15,7 +15,7 @@ from transformer_fast import reference
 
 from attention_cases import (check_float32_mask, kernel_attention_backward, kernel_attention_forward, make_qkv,
                              random_attn_mask, random_key_padding)
-from helpers import compare_with_reference
+from helpers import compare_with_reference, need_backend
 
 # (backend, dtype, C++ product path: see test_attention.py's PACK_MIN_ROWS)
 PACK_MIN_ROWS = {"packed": "0", "unpacked": "1000000000"}
@@ -28,12 +28,6 @@ BACKEND_PARAMS = [
     # (bf16 tiles are wrong under the Triton interpreter, which computes with numpy: fp16 instead)
     pytest.param("triton", torch.float16, None, id="triton-float16"),
 ]
-
-
-def _need(backend):
-    reason = tf.available_backends()[backend]
-    if reason is not None:
-        pytest.skip(f"{backend} backend unavailable: {reason}")
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +73,7 @@ def _cases(backend):
 def test_mask_gradient(backend, dtype, path):
     """d(out)/d(attn_mask) (and dq, dk, dv) against the float64 reference, with causal masking, key
     padding, broadcast masks, GQA, rows with no allowed key and odd sizes."""
-    _need(backend)
+    need_backend(backend)
     torch.manual_seed(0)
     for spec, is_causal, padded, B, H, Hk, Nq, Nk, D, Dv in _cases(backend):
         q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype)
@@ -131,7 +125,7 @@ def test_kernel_writes_ds(backend, dropout_p):
     """attention_backward(..., compute_dmask=True)'s dmask, element by element, against dS in
     float64 (with the kernel's own dropout keep mask): exactly 0 on disallowed pairs, padded keys
     and rows with no allowed key. Without compute_dmask it is an empty tensor."""
-    _need(backend)
+    need_backend(backend)
     torch.manual_seed(1)
     B, H, Hk, Nq, Nk, D, Dv, is_causal, scale, seed = 2, 4, 2, 17, 40, 16, 24, True, 0.3, 4321
     q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk)
@@ -171,7 +165,7 @@ def test_mask_gradient_with_dropout(backend, dtype):
     """With dropout, dq, dk, dv and the mask's gradient match the float64 reference given the
     kernel's own keep mask (recovered with v = identity): the backward regenerates the forward's
     mask for all four."""
-    _need(backend)
+    need_backend(backend)
     torch.manual_seed(2)
     B, H, Hk, Nq, Nk, D, Dv, p, seed, is_causal = 2, 4, 2, 17, 40, 16, 24, 0.3, 99, True
     pad = random_key_padding(B, Nk)
@@ -201,7 +195,7 @@ def test_mask_gradient_with_dropout(backend, dtype):
 def test_float32_mask_with_half_precision_query(backend, dtype):
     """torch's SDPA takes a float32 attn_mask with a bf16/fp16 query; so does every backend: the
     mask is added in float32 and its gradient (dS) written in float32."""
-    _need(backend)
+    need_backend(backend)
     check_float32_mask(functools.partial(tf.scaled_dot_product_attention, backend=backend), dtype, backend)
 
 
@@ -212,7 +206,7 @@ def test_rows_masked_by_the_most_negative_float(backend):
     (in the Triton kernels' base-2 units it would overflow to -inf: a row with no allowed key,
     output 0). Rows with some key allowed as usual. Gradients finite everywhere, and equal to
     torch's on the rows with an allowed key (docs/compatibility.md: the fully masked rows')."""
-    _need(backend)
+    need_backend(backend)
     torch.manual_seed(4)
     B, H, N, D = 2, 2, 9, 16
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, N, N, D))
@@ -234,7 +228,7 @@ def test_rows_masked_by_the_most_negative_float(backend):
 
 def test_opcheck_backward_with_dmask():
     """The backward op's schema and fake implementation with compute_dmask (torch.compile's view)."""
-    _need("cpp")
+    need_backend("cpp")
     B, H, Nq, Nk = 2, 4, 9, 13
     q, k, v = make_qkv(B, H, Nq, Nk, 16, 24, Hk=2)
     mask = random_attn_mask((H, Nq, Nk), "float").expand(B, H, Nq, Nk)

@@ -10,7 +10,7 @@ from torch import nn
 
 import transformer_fast as tf
 from transformer_fast import reference
-from helpers import assert_close_to_reference, compare_with_reference
+from helpers import assert_close_to_reference, compare_with_reference, need_backend
 
 WIDTHS = (1, 7, 64, 768, 1000, 4096, 65536)
 LEADING = ((5,), (2, 3), (3, 1, 2))          # 1 to 3 leading dims
@@ -18,12 +18,6 @@ WIDE_LEADING = ((2,), (1, 2), (2, 1, 1))     # few rows of 65536
 # (is_rms, has_weight, has_bias)
 AFFINE = ((False, True, True), (False, True, False), (False, False, True), (False, False, False),
           (True, True, False), (True, False, False))
-
-
-def _skip_unavailable(backend):
-    reason = tf.available_backends()[backend]
-    if reason is not None:
-        pytest.skip(f"{backend} backend unavailable: {reason}")
 
 
 def _leading(width, i):
@@ -70,7 +64,7 @@ def _check(backend, lead, width, dtype, is_rms, has_weight, has_bias, residual, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", WIDTHS)
 def test_cpp_against_reference(width, dtype):
-    _skip_unavailable("cpp")
+    need_backend("cpp")
     for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE, (False, True))):
         _check("cpp", _leading(width, i), width, dtype, is_rms, has_w, has_b, residual)
 
@@ -86,7 +80,7 @@ def test_reference_backend_against_reference(width):
 @pytest.mark.parametrize("width", (1, 7, 64, 768, 1000, 9000))
 def test_triton_against_reference(width, dtype):
     """Under the interpreter: small widths; 9000 takes the looped path (two tiles, a ragged one)."""
-    _skip_unavailable("triton")
+    need_backend("triton")
     for i, ((is_rms, has_w, has_b), residual) in enumerate(itertools.product(AFFINE, (False, True))):
         if width > 1000 and i % 3:
             continue
@@ -98,7 +92,7 @@ def test_triton_against_reference(width, dtype):
 def test_rows_over_several_programs(backend):
     """Several programs/threads, each with several row tiles (the last ragged), and their partial
     weight gradients."""
-    _skip_unavailable(backend)
+    need_backend(backend)
     for lead, width, dtype, flags in (((70,), 1000, torch.float32, (False, True, True, True)),
                                       ((2, 41), 2000, torch.float16, (True, True, False, False))):
         if backend == "triton":  # the interpreter's 4 backward programs take 2+ row tiles each
@@ -114,7 +108,7 @@ def test_weight_gradient_over_many_rows(backend, threads):
     """dweight and dbias sum thousands of rows per thread or program: within 2x torch's error too,
     with the C++ kernel's rows in one block (one thread) or two. (Triton on a GPU only: the
     interpreter's tl.sum is numpy's, which adds a tile's rows in order.)"""
-    _skip_unavailable(backend)
+    need_backend(backend)
     device = "cuda" if backend == "triton" else "cpu"
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
@@ -133,7 +127,7 @@ def test_partial_sums_over_several_steps(monkeypatch):
     with 75 programs (more than the reduction's steps of SUMS_TILE rows, a ragged last one) and
     a width that ends in a ragged column block, in float32 and float16 parameters. (Not bfloat16
     here: the interpreter rounds float32 to bfloat16 toward zero, a GPU to nearest.)"""
-    _skip_unavailable("triton")
+    need_backend("triton")
     from transformer_fast.kernels import layer_norm as kln
 
     monkeypatch.setattr(kln, "backward_programs", lambda block_n, single, device: 75)
@@ -149,7 +143,7 @@ def test_partial_sums_over_several_steps(monkeypatch):
 
 @pytest.mark.triton
 def test_triton_widest_rows():
-    _skip_unavailable("triton")
+    need_backend("triton")
     _check("triton", (2,), 65536, torch.float32, False, True, True, True)
     _check("triton", (1,), 65536, torch.float16, True, True, False, True)
 
@@ -171,7 +165,7 @@ def test_triton_gpu_full_grid(width, dtype):
 @pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
 @pytest.mark.parametrize("width", (7, 1000, 65536))
 def test_large_offset(backend, width):
-    _skip_unavailable(backend)
+    need_backend(backend)
     if backend == "triton" and width > 1000:
         width = 9000
     lead = (2,) if width > 1000 else (3, 5)
@@ -193,7 +187,7 @@ def test_offset_much_larger_than_spread(backend, width):
     first element is as valid as the plain one, and far more accurate here: a plain fp32 sum of
     the row loses the low bits that the spread lives in. The kernels must match that accuracy
     (the Triton kernel's plain sum was up to 70x off it, as torch's own layer_norm is)."""
-    _skip_unavailable(backend)
+    need_backend(backend)
     for _ in range(3):
         x = torch.randn(4, width) - 1000.0
         ref64 = reference.layer_norm(x.double(), (width,))
@@ -204,7 +198,7 @@ def test_offset_much_larger_than_spread(backend, width):
 
 def test_cpp_statistics_of_large_offset():
     """mean and rstd themselves, against float64 (the first element an outlier, too)."""
-    _skip_unavailable("cpp")
+    need_backend("cpp")
     from transformer_fast import _build
 
     C = _build.extension()
@@ -232,7 +226,7 @@ def _strided_cases(device="cpu", dtype=torch.float32):
 
 @pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton), "reference"])
 def test_non_contiguous_inputs(backend):
-    _skip_unavailable(backend)
+    need_backend(backend)
     for name, x in _strided_cases():
         for (r_name, r), is_rms in itertools.product(_strided_cases(), (False, True)):
             w = torch.rand(64) + 0.5
@@ -246,7 +240,7 @@ def test_non_contiguous_inputs(backend):
 @pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
 def test_non_contiguous_upstream_gradient(backend):
     """dy of stride 0 (from .sum()) and a transposed dh."""
-    _skip_unavailable(backend)
+    need_backend(backend)
     x, r = torch.randn(4, 33, requires_grad=True), torch.randn(4, 33, requires_grad=True)
     w = torch.randn(33, requires_grad=True)
     dh = torch.randn(33, 4).t()
@@ -261,7 +255,7 @@ def test_non_contiguous_upstream_gradient(backend):
 
 @pytest.mark.parametrize("backend", ["cpp", pytest.param("triton", marks=pytest.mark.triton)])
 def test_two_dim_normalized_shape(backend):
-    _skip_unavailable(backend)
+    need_backend(backend)
     x, r = torch.randn(3, 5, 12), torch.randn(3, 5, 12)
     w, b = torch.randn(5, 12), torch.randn(5, 12)
 
@@ -276,7 +270,7 @@ def test_two_dim_normalized_shape(backend):
 def test_float32_weight_with_low_precision_input(backend, dtype):
     """weight/bias may be float32 for a bf16/fp16 input (mixed precision): y has the input's dtype,
     dweight/dbias the parameters'."""
-    _skip_unavailable(backend)
+    need_backend(backend)
     if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
         dtype = torch.float16
     x = torch.randn(6, 100).to(dtype).requires_grad_()
@@ -330,7 +324,7 @@ def test_rms_norm_weight_of_any_dtype(dtype, weight_dtype):
 
 
 def test_cpp_weight_gradient_is_deterministic():
-    _skip_unavailable("cpp")
+    need_backend("cpp")
     x, dy = torch.randn(257, 300), torch.randn(257, 300)
     w, b = torch.randn(300, requires_grad=True), torch.randn(300, requires_grad=True)
     grads = []
@@ -345,7 +339,7 @@ def test_cpp_weight_gradient_is_deterministic():
 def test_zero_rows(backend):
     """No rows: empty results of the input's shape and gradients of it, whatever the strides (an
     empty slice with a stride of 2 along the row must pass the kernels' unit-stride check)."""
-    _skip_unavailable(backend)
+    need_backend(backend)
     inputs = {"contiguous": lambda: torch.randn(0, 3, 16),
               "stride 2 along the row": lambda: torch.randn(0, 3, 32)[..., ::2],
               "rows, stride 2 along the row": lambda: torch.randn(0, 32)[:, ::2],
@@ -509,7 +503,7 @@ def test_triton_op_kernels_keep_the_input_shape(lead, is_rms, residual):
     """The Triton kernel ops as the CUDA key runs them (transformer_fast/_device_kernels.py),
     called directly: rows are reshaped only where the input is not 2-D, and every result comes
     back in its input's shape, equal to the float64 reference (forward and backward)."""
-    _skip_unavailable("triton")
+    need_backend("triton")
     from transformer_fast._device_kernels import op_kernel
 
     forward, backward = (op_kernel(f"layer_norm_{step}", "triton", "cpu") for step in ("forward", "backward"))

@@ -12,7 +12,7 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from attention_cases import flash_gradients, random_key_padding
-from helpers import assert_close_to_reference, kernel_device as _device
+from helpers import assert_close_to_reference, kernel_device as _device, need_backend
 from test_attention_cuda_emulated import emulated_attention, emulation  # noqa: F401 (a fixture)
 
 LAYOUTS = ("expand", "unfold", "overlap")
@@ -40,12 +40,6 @@ def _assert_layout(t, kind):
     """The view really is what the test means: some row starts less than a row after another."""
     if t.shape[-2] > 1:
         assert t.stride(-1) == 1 and t.stride(-2) < t.shape[-1], (kind, t.shape, t.stride())
-
-
-def _need(backend):
-    reason = tf.available_backends()[backend]
-    if reason is not None:
-        pytest.skip(f"{backend} backend unavailable: {reason}")
 
 
 def _check(kernel, reference_fn, inputs, dout, *, what, gradient_formulation=None):
@@ -144,7 +138,7 @@ CPP_OPERANDS = [pytest.param(case, operand, id=f"{_case_id(case)}-{operand}")
 @pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("case,operand", CPP_OPERANDS)
 def test_attention_cpp(case, operand, kind, dtype, products, monkeypatch):
-    _need("cpp")
+    need_backend("cpp")
     monkeypatch.setenv("TRANSFORMER_FAST_PACK_MIN_ROWS", PACK_MIN_ROWS[products])
     _check_attention("cpp", case, {"q", "k", "v", "dout"} if operand == "all" else {operand}, kind, dtype)
 
@@ -153,7 +147,7 @@ def test_attention_cpp(case, operand, kind, dtype, products, monkeypatch):
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=_case_id)
 def test_attention_cpp_fp16(case, kind):
     """fp16 (MKL has no fp16 product: at::addmm) with every operand strided."""
-    _need("cpp")
+    need_backend("cpp")
     _check_attention("cpp", case, {"q", "k", "v", "dout"}, kind, torch.float16)
 
 
@@ -168,7 +162,7 @@ def test_attention_reference(case, kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_attention_triton(kind, dtype):
-    _need("triton")
+    need_backend("triton")
     # Under the interpreter: 32 x 16 forward and 16 x 32 backward tiles, so 20 queries and 33 keys
     # span two of each; GQA, causal and padded at once.
     _check_attention("triton", (1, 2, 1, 20, 33, 16, 16, True, True), {"q", "k", "v", "dout"}, kind, dtype,
@@ -189,7 +183,7 @@ def test_attention_cpp_upstream_gradient_of_a_sum(upstream, dtype):
     """The upstream gradient of (out * w).sum() is w expanded over (B, H, Nq): sequence stride 0
     with a unit last-dim stride, passed to the kernel as it is; that of out.sum() is one scalar
     expanded (every stride 0)."""
-    _need("cpp")
+    need_backend("cpp")
     case = (2, 2, 2, 40, 40, 32, 32, False, False)
     shape = (2, 2, 40, 32)
     dout = (torch.randn(32, dtype=dtype) if upstream == "weighted_sum" else torch.ones((), dtype=dtype)).expand(shape)
@@ -220,7 +214,7 @@ def _check_linear(backend, shape, causal, padded, kind, dtype, device="cpu"):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
 def test_linear_attention(backend, causal, kind, dtype):
-    _need(backend)
+    need_backend(backend)
     # 70 tokens: two of the causal form's 64-token chunks.
     _check_linear(backend, (2, 2, 70, 24, 40), causal, causal, kind, dtype)
 
@@ -229,7 +223,7 @@ def test_linear_attention(backend, causal, kind, dtype):
 @pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_linear_attention_triton(causal, kind):
-    _need("triton")
+    need_backend("triton")
     _check_linear("triton", (1, 2, 20, 16, 16), causal, not causal, kind, torch.float32, device=_device())
 
 
@@ -265,7 +259,7 @@ def _check_norm(backend, is_rms, kind, dtype, shape=(33, 48), device="cpu"):
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
 def test_norm(backend, is_rms, kind, dtype):
-    _need(backend)
+    need_backend(backend)
     _check_norm(backend, is_rms, kind, dtype)
 
 
@@ -273,5 +267,5 @@ def test_norm(backend, is_rms, kind, dtype):
 @pytest.mark.parametrize("kind", LAYOUTS)
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layer", "rms"])
 def test_norm_triton(is_rms, kind):
-    _need("triton")
+    need_backend("triton")
     _check_norm("triton", is_rms, kind, torch.float32, shape=(21, 40), device=_device())
