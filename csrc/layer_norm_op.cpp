@@ -34,13 +34,10 @@ at::Tensor normalised_last(const at::Tensor& t, const c10::SymInt& width, int64_
   return with_unit_last_stride(t.reshape_symint(shape));
 }
 
-double machine_epsilon(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::epsilon());
-    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::epsilon());
-    case at::kDouble: return std::numeric_limits<double>::epsilon();
-    default: return std::numeric_limits<float>::epsilon();
-  }
+// rms_norm's default eps: the machine epsilon of the type it computes in, as torch's (float32 for
+// bf16/fp16 input, though torch's documentation says the input's dtype).
+double default_rms_eps(at::ScalarType dtype) {
+  return dtype == at::kDouble ? std::numeric_limits<double>::epsilon() : std::numeric_limits<float>::epsilon();
 }
 
 // The autograd node of layer_norm_forward: its backward is the layer_norm_backward op. Next edges:
@@ -192,8 +189,7 @@ LayerNormArgs layer_norm_args(const at::Tensor& input, c10::SymIntArrayRef norma
                      " must have the input's dtype ", dtype_name(x.scalar_type()),
                      x.scalar_type() == at::kFloat ? "" : " or torch.float32", ", got ", dtype_name((*p)->scalar_type()));
   }
-  // rms_norm's default eps: the machine epsilon of the dtype it computes in, as torch's.
-  const double eps = eps_in.has_value() ? *eps_in : machine_epsilon(x.scalar_type());
+  const double eps = eps_in.has_value() ? *eps_in : default_rms_eps(x.scalar_type());
   TORCH_CHECK_VALUE(eps >= 0, name, ": eps must be >= 0, got ", eps);
 
   c10::SymInt width = 1;

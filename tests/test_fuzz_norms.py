@@ -16,7 +16,7 @@ torch's does). Draws are seeded: a failure names its
 seed and configuration, and `check_draw(seed)` reruns it.
 
 Slow: about 15 s for the C++ backend's 8,000 draws, 40 s for the Triton backend's 800 under the
-interpreter (fp32/fp16 inputs: the interpreter's float32 -> bfloat16 conversion truncates)."""
+interpreter (fp32/fp16 inputs: it refuses bfloat16, whose conversion it truncates)."""
 import math
 import random
 
@@ -301,9 +301,8 @@ def test_cpp_norm_random_calls(block):
 @TRITON_TESTS[1]
 def test_triton_norm_random_calls(block):
     device = kernel_device()
-    # bf16 norms are served under the interpreter, but its float32 -> bfloat16 conversion truncates
-    # where a GPU rounds to nearest (docs/design.md): y and h one unit in the last place off, which the
-    # rule cannot absorb. (bf16 residuals with fp16/fp32 inputs still run: they compute in fp32.)
+    # the interpreter refuses bf16 norms: its float32 -> bfloat16 conversion truncates (docs/design.md).
+    # (bf16 residuals with fp16/fp32 inputs still run: they compute in fp32.)
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if device == "cuda" else ())
     # 9000: wider than one 8192-column tile, the looped path
     check_draws(range(block * 100, (block + 1) * 100), "triton", device, dtypes=dtypes, widths=WIDTHS + (9000,),

@@ -293,6 +293,38 @@ def test_float32_weight_with_low_precision_input(backend, dtype):
     assert_close_to_reference(b.grad, b64.grad, bl.grad.float(), what="dbias")
 
 
+def _default_rms_eps(dtype):
+    """torch's rms_norm eps=None: the machine epsilon of the type it computes in."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
+@pytest.mark.parametrize("backend, dtype", [
+    *(("cpp", d) for d in (torch.bfloat16, torch.float16, torch.float32)),
+    *(("reference", d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)),
+    *(pytest.param("triton", d, marks=pytest.mark.triton) for d in (torch.float16, torch.float32))])
+def test_rms_norm_default_eps_is_that_of_the_type_it_computes_in(backend, dtype):
+    """eps=None is float32's machine epsilon for bf16/fp16 input, as torch computes (not the
+    input dtype's, 7.8e-3 for bf16, which swamps the mean square of rows of scale 0.01): the
+    output and gradient of such rows as close to float64 as torch's, a module's too."""
+    need_backend(backend)
+    x = (torch.randn(3, 64) * 0.01).to(dtype).requires_grad_()
+    w = (torch.rand(64) + 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(3, 64, dtype=dtype)
+    y = tf.rms_norm(x, (64,), w, backend=backend)
+    y.backward(dy)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    y64 = reference.rms_norm(x64, (64,), w64, _default_rms_eps(dtype))
+    y64.backward(dy.double())
+    xt, wt = (t.detach().requires_grad_() for t in (x, w))
+    yt = F.rms_norm(xt, (64,), wt)
+    yt.backward(dy)
+    assert_close_to_reference(y, y64, yt, what="y")
+    assert_close_to_reference(x.grad, x64.grad, xt.grad, what="dx")
+    m = nn.RMSNorm(64, dtype=dtype)
+    expected = m(x.detach())
+    assert_close_to_reference(tf.convert(m)(x.detach()), y64.detach() / w64.detach(), expected, what="module")
+
+
 @pytest.mark.parametrize("dtype, weight_dtype", [
     (torch.float32, torch.bfloat16), (torch.float32, torch.float64), (torch.float16, torch.bfloat16),
     (torch.bfloat16, torch.float16), (torch.float64, torch.bfloat16)])
@@ -306,12 +338,12 @@ def test_rms_norm_weight_of_any_dtype(dtype, weight_dtype):
     dy = torch.randn(5, 40, dtype=dtype)
     y.backward(dy)
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
-    reference.rms_norm(x64, (40,), w64, torch.finfo(dtype).eps).backward(dy.double())
+    reference.rms_norm(x64, (40,), w64, _default_rms_eps(dtype)).backward(dy.double())
     xt, wt = (t.detach().requires_grad_() for t in (x, w))
     yt = F.rms_norm(xt, (40,), wt)
     yt.backward(dy)
     assert y.dtype == yt.dtype == dtype and w.grad.dtype == weight_dtype
-    y64 = reference.rms_norm(x64.detach(), (40,), w64.detach(), torch.finfo(dtype).eps)
+    y64 = reference.rms_norm(x64.detach(), (40,), w64.detach(), _default_rms_eps(dtype))
     assert_close_to_reference(y, y64, yt, what="y")
     assert_close_to_reference(x.grad, x64.grad, xt.grad, what="dx")
     assert_close_to_reference(w.grad, w64.grad, wt.grad, what="dweight")
@@ -319,7 +351,7 @@ def test_rms_norm_weight_of_any_dtype(dtype, weight_dtype):
     expected = m(x.detach())
     got = tf.convert(m)(x.detach())
     assert got.dtype == expected.dtype == dtype
-    y64 = reference.rms_norm(x64.detach(), (40,), None, torch.finfo(dtype).eps)
+    y64 = reference.rms_norm(x64.detach(), (40,), None, _default_rms_eps(dtype))
     assert_close_to_reference(got, y64, expected, what="converted module")
 
 
@@ -530,3 +562,34 @@ def test_triton_op_kernels_keep_the_input_shape(lead, is_rms, residual):
     torch.testing.assert_close(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
     if not is_rms:
         torch.testing.assert_close(db.double(), b64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_weight_gradient_of_a_few_dozen_rows(is_rms):
+    """dweight over 64-200 rows (one chunk of the C++ sums or a few) within 2x torch's error; torch's
+    rms_norm sums its rows pairwise (in chunks of 64 summed in order, RMSNorm's reached 2.4x). One
+    thread: the rows in one block."""
+    need_backend("cpp")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_weight_gradients(is_rms)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_weight_gradients(is_rms):
+    for seed, (M, N) in enumerate([(64, 1024)] * 6 + [(200, 512)]):
+        torch.manual_seed(seed)
+        x, w, dy = torch.randn(M, N) * 2 + 0.5, torch.randn(N), torch.randn(M, N)
+
+        def weight_grad(fn, *tensors):
+            x, w, dy = tensors
+            w = w.clone().requires_grad_()
+            (fn(x, (N,), w, 1e-5) if is_rms else fn(x, (N,), w, None, 1e-5)).backward(dy)
+            return w.grad
+
+        ours, theirs = (tf.rms_norm, F.rms_norm) if is_rms else (tf.layer_norm, F.layer_norm)
+        exact = weight_grad(theirs, x.double(), w.double(), dy.double())
+        assert_close_to_reference(weight_grad(ours, x, w, dy), exact, weight_grad(theirs, x, w, dy), atol=1e-7,
+                                  what=f"dweight seed {seed} ({M}, {N})")

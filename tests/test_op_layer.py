@@ -262,36 +262,39 @@ def test_explicit_backend():
         _backends.explicit_backend("cpp", torch.device("cuda"), torch.float16, "layer_norm")
 
 
-def test_triton_backend_reason_for_bfloat16_products_under_the_interpreter(monkeypatch):
-    """The rule on any machine: under the interpreter (CPU tensors) bfloat16 attention and linear
-    attention are refused with the reason, float16 attention and bfloat16 norms are not; on CUDA
-    tensors nothing is."""
+def test_triton_backend_reason_for_bfloat16_under_the_interpreter(monkeypatch):
+    """The rule on any machine: under the interpreter (CPU tensors) bfloat16 is refused for every
+    family with its reason (products: raw bits; norms: conversions toward zero), float16 is not;
+    on CUDA tensors nothing is."""
     monkeypatch.setattr(_backends, "load_triton", lambda: (object(), None))
     monkeypatch.setattr(_backends, "triton_interpreting", lambda: True)
     cpu = torch.device("cpu")
-    for family in ("attention", "linear_attention"):
-        assert "triton-lang/triton#11584" in _backends.unavailable_reason("triton", cpu, torch.bfloat16, family)
+    for family in ("attention", "linear_attention", "layer_norm"):
+        reason = "triton-lang/triton#11584" if family != "layer_norm" else "bfloat16 toward zero"
+        assert reason in _backends.unavailable_reason("triton", cpu, torch.bfloat16, family)
         assert _backends.unavailable_reason("triton", cpu, torch.float16, family) is None
         assert _backends.unavailable_reason("triton", torch.device("cuda"), torch.bfloat16, family) is None
-    assert _backends.unavailable_reason("triton", cpu, torch.bfloat16, "layer_norm") is None
 
 
 @pytest.mark.skipif(not _backends.triton_interpreting(), reason="runs the Triton kernels under TRITON_INTERPRET=1")
-def test_triton_interpreter_refuses_bfloat16_products():
-    """Triton's interpreter multiplies bfloat16 tl.dot operands as raw bits (results ~1e9 off):
-    attention and linear attention refuse bfloat16 there, with the reason; float16 and the
-    norms (no products) run."""
+def test_triton_interpreter_refuses_bfloat16():
+    """Triton's interpreter multiplies bfloat16 tl.dot operands as raw bits (results ~1e9 off) and
+    converts float32 to bfloat16 toward zero: every family refuses bfloat16 there, with the
+    reason; float16 runs, and a bfloat16 residual added to a float32 input (computed in float32)."""
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="triton-lang/triton#11584"):
         tf.scaled_dot_product_attention(q, q, q, backend="triton")
     with pytest.raises(RuntimeError, match="raw bits of bfloat16"):
         tf.linear_attention(q, q, q, backend="triton")
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 to bfloat16 toward zero"):
+        tf.layer_norm(x, (16,), backend="triton")
     h = q.half()
     expected = F.scaled_dot_product_attention(h.float(), h.float(), h.float())
     assert (tf.scaled_dot_product_attention(h, h, h, backend="triton").float() - expected).abs().max() < 2e-3
-    x = torch.randn(8, 16, dtype=torch.bfloat16)
-    expected = F.layer_norm(x.float(), (16,))
-    assert (tf.layer_norm(x, (16,), backend="triton").float() - expected).abs().max() < 3e-2
+    y, s = tf.layer_norm(x.float(), (16,), residual=x, backend="triton")
+    assert s.dtype == torch.float32 and torch.equal(s, 2 * x.float())
+    assert (y - F.layer_norm(2 * x.float(), (16,))).abs().max() < 1e-5
 
 
 def test_select_backend():

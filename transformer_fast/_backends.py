@@ -88,6 +88,10 @@ def unavailable_reason(backend: str, device: torch.device | None, dtype: torch.d
                 return ("Triton's interpreter multiplies the raw bits of bfloat16 tl.dot operands "
                         "(triton-lang/triton#11584), so these kernels' bfloat16 results would be wrong "
                         "under TRITON_INTERPRET=1; use float16 or float32 there, or backend='cpp'")
+            if dtype == torch.bfloat16:
+                return ("Triton's interpreter converts float32 to bfloat16 toward zero where a GPU rounds "
+                        "to nearest, so these kernels' bfloat16 results would be up to an ulp off (errors "
+                        "10x torch's) under TRITON_INTERPRET=1; use float16 or float32 there, or backend='cpp'")
             return None
         return f"Triton runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device.type}"
     _, reason = _build.load()

@@ -93,9 +93,11 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
 
 def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, backend="auto"):
     """Fused RMSNorm, a drop-in for ``torch.nn.functional.rms_norm``: ``h / sqrt(mean(h^2) + eps)
-    * weight`` with ``h = input (+ residual)``; ``eps=None`` means ``torch.finfo(dtype).eps``. As
-    torch's, it takes a weight of any floating dtype (a bfloat16 ``nn.RMSNorm`` on float32
-    activations): y has h's dtype, and the weight is multiplied in float32 (float64 for float64 h)."""
+    * weight`` with ``h = input (+ residual)``; ``eps=None`` means the machine epsilon of the type
+    it computes in, as torch's does (float32's for bfloat16/float16 h, not h's own as torch's
+    documentation says). As torch's, it takes a weight of any floating dtype (a bfloat16
+    ``nn.RMSNorm`` on float32 activations): y has h's dtype, and the weight is multiplied in
+    float32 (float64 for float64 h)."""
     if eps is not None and type(eps) is not float:
         eps = real_scalar("eps", eps)
     if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight)
