@@ -151,7 +151,13 @@ AttentionArgs attention_args(const at::Tensor& query, const at::Tensor& key, con
     }
     TORCH_CHECK_VALUE(broadcasts, "attn_mask of shape ", shape_str(mask.sym_sizes()),
                       " does not broadcast to (batch, heads, query_len, key_len) = ", shape_str(shape));
-    a.attn_mask = mask.expand_symint(shape);  // a view: broadcast dims get stride 0
+    // A bf16/fp16 mask that requires grad and is broadcast: autograd sums dS over the broadcast dims.
+    // It does so in float32, as torch's math does, from a float32 mask (its dS is float32), and not
+    // from dS rounded to the mask's dtype, which added up to 3x torch's rounding error.
+    const bool reduced_grad = mask.requires_grad() && at::GradMode::is_enabled() &&
+                              (mask_dtype == at::kBFloat16 || mask_dtype == at::kHalf) &&
+                              mask.sym_numel() != B * H * Nq * Nk;
+    a.attn_mask = (reduced_grad ? mask.to(at::kFloat) : mask).expand_symint(shape);  // broadcast dims: stride 0
   }
   if (key_padding_mask.has_value()) {
     a.key_padding_mask = a.unbatched && key_padding_mask->dim() == 1 ? key_padding_mask->unsqueeze(0)

@@ -62,8 +62,10 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
   const int64_t lse_rows = p.packed() ? p.H * p.Tq : p.B * p.H * p.Nq;  // lse indices
   auto n_key_blocks = [&](int64_t b) { return (p.k_len(b) + BN - 1) / BN; };
 
-  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included); sequences whose keys fit one
-  // tile take sum_j P_ij dP_ij from the tile instead (delta_from_tile).
+  // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included). Rows whose keys all lie in one
+  // tile take sum_j P_ij dP_ij from that tile instead (delta_from_tile): it has no rounding of O,
+  // which in bf16/fp16 dominates dS = P (dP - delta) in rows of few keys (3-18x torch's error in
+  // the mask's gradient with 1-3 keys a row).
   at::Tensor delta = new_tensor({lse_rows}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
   if (p.Nk > BN) at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
@@ -149,12 +151,12 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
         key_float(rowwise && kLowp ? kRowwiseChunk * D : 0);
     std::vector<const float*> q_rows(rowwise ? BM : 0);
     std::vector<const scalar_t*> k_rows(rowwise ? BN : 0);
+    std::vector<uint8_t> keys_in_tile(BM);  // whether a row's keys all lie in this tile
     for (int64_t t; tasks.pop(t);) {
       const KeyTask& task = key_tasks[t];
       const int64_t b = task.b, hk = task.hk, bhk = b * p.Hk + hk;
       const int64_t nq = p.q_len(b), nk = p.k_len(b);
       const Band band = band_of(p, nq, nk);
-      const bool delta_from_p = nk <= BN;
       const HeadRows<const scalar_t> krows = ko.at(b, hk), vrows = vo.at(b, hk);
       const int64_t ksn = krows.stride, vsn = vrows.stride;
       float* dq_slice = dq_acc_data + task.slice * lse_rows * D;
@@ -201,9 +203,15 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
             }
             const bool masked = transform_scores<scalar_t>(p, band, S.data(), ldS, bm, bn, {b, h, i0, j0}, status,
                                                            softcap ? tanh_tile.data() : nullptr);
+            bool delta_from_p = false;
+            for (int64_t r = 0; r < bm; ++r) {
+              const auto [lo, hi] = key_range(band, i0 + r, i0 + r + 1, nk);
+              keys_in_tile[r] = lo >= j0 && hi <= j0 + tile_keys;
+              delta_from_p |= keys_in_tile[r] != 0;
+            }
             // An unmasked tile without dropout uses all its keys: P and dS are then made in one
             // pass after the dP product. Otherwise P comes first, to find the keys in use; so it
-            // does where the row's keys fit this one tile, whose P and dP then give delta, and
+            // does where a row's keys fit this one tile, whose P and dP then give its delta, and
             // where the rows' sum_j P_ij dP_ij is wanted.
             const bool fused = !masked && !p.dropout.active() && !delta_from_p && !want_delta;
             UsedKeys used{0, bn, false};
@@ -214,7 +222,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 float* s = S.data() + r * ldS;
                 const Vec shift(lse_t[r]), mult(s_scale);
                 at::vec::map([shift, mult](Vec x) { return exp_softmax(at::vec::fmsub(x, mult, shift)); }, s, s, bn);
-                if (delta_from_p) renormalize_row(s, bn, lse_t[r]);
+                if (keys_in_tile[r]) renormalize_row(s, bn, lse_t[r]);
                 if (masked) {
                   for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
                 }
@@ -240,9 +248,9 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
               if (fused) {
                 p_and_ds(s, dp, bn, s_scale, lse_t[r], delta_t[r]);
               } else {
-                const float pdp = delta_from_p || want_delta ? delta_from_tile(s, dp, bn) : 0.f;
+                const float pdp = keys_in_tile[r] || want_delta ? delta_from_tile(s, dp, bn) : 0.f;
                 if (want_delta) pdp_slice[row0 + r] += pdp;
-                ds_from_dp(s, dp, bn, delta_from_p ? pdp : delta_t[r]);  // dP -> dS
+                ds_from_dp(s, dp, bn, keys_in_tile[r] ? pdp : delta_t[r]);  // dP -> dS
               }
               if (ds_data != nullptr) convert_row(dp, ds_data + (row0 + r) * p.Nk + j0, bn);
               if (ds_f32 != nullptr) convert_row(dp, ds_f32 + (row0 + r) * p.Nk + j0, bn);

@@ -15,7 +15,7 @@ from transformer_fast import reference
 
 from attention_cases import (check_float32_mask, kernel_attention_backward, kernel_attention_forward, make_qkv,
                              random_attn_mask, random_key_padding)
-from helpers import compare_with_reference, need_backend
+from helpers import ATOL, assert_close_to_reference, compare_with_reference, need_backend
 
 # (backend, dtype, C++ product path: see test_attention.py's PACK_MIN_ROWS)
 PACK_MIN_ROWS = {"packed": "0", "unpacked": "1000000000"}
@@ -317,3 +317,31 @@ def test_t5_bias_gradient_matches_sdpa():
         torch.testing.assert_close(grads_o[name], grads_r[name], atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     for (name, p_r), p_o in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(p_o.grad, p_r.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_broadcast_half_precision_mask_gradient_is_summed_in_float32(dtype):
+    """A bf16/fp16 mask broadcast over heads (and batch) gets dS summed over those dims: in float32
+    and rounded once, as torch's math does, within 2x torch's error. (Summing dS rounded to the
+    mask's dtype head by head gives up to 17x torch's error: 3 queries over 129 keys.)"""
+    need_backend("cpp")
+    for seed, (B, L, S) in enumerate([(1, 3, 129)] * 6 + [(2, 40, 300), (2, 200, 200)]):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(B, 2, n, 64).to(dtype) for n in (L, S, S))
+        bias, dout = torch.randn(L, S).to(dtype), torch.randn(B, 2, L, 64).to(dtype)
+        causal = torch.zeros(L, S).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+
+        def mask_grad(fn, dt):
+            mask = bias.to(dt).requires_grad_()
+            out = fn(q.to(dt), k.to(dt), v.to(dt), mask)
+            return torch.autograd.grad(out, mask, dout.to(dt))[0]
+
+        exact = mask_grad(lambda a, b, c, m: torch.nn.functional.scaled_dot_product_attention(
+            a, b, c, attn_mask=m + causal.double()), torch.float64)
+        theirs = mask_grad(lambda a, b, c, m: torch.nn.functional.scaled_dot_product_attention(
+            a, b, c, attn_mask=m + causal.to(dtype)), dtype)
+        ours = mask_grad(lambda a, b, c, m: tf.scaled_dot_product_attention(
+            a, b, c, attn_mask=m, is_causal=True, backend="cpp"), dtype)
+        assert ours.dtype == dtype
+        assert_close_to_reference(ours, exact, theirs, atol=ATOL[dtype] * 0.05 * exact.abs().max().item(),
+                                  what=f"dmask seed {seed} {(B, L, S)}")
