@@ -238,6 +238,8 @@ def test_bad_inputs_raise_clear_errors():
         tf.linear_attention(q, k, torch.randn(2, 2, 5, 257))
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, key_len\) = \(2, 5\)"):
         tf.linear_attention(q, k, v, key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be a torch.Tensor, got list"):
+        tf.linear_attention(q, k, v, key_padding_mask=[[False] * 5] * 2)
     with pytest.raises(TypeError, match="value has dtype"):
         tf.linear_attention(q, k, v.half())
     with pytest.raises(ValueError, match="key must have the query's shape"):

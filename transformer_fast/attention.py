@@ -66,7 +66,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backends, _build, _explicit
-from ._calls import check_tensors, direct, dynamo_compiling
+from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
 from ._layout import empty_in_rows_of
 from ._plain_torch import dmask_dtype
 from ._validation import check_bools, real_scalar
@@ -176,6 +176,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                                enable_gqa, key_padding_mask, None, window_size, softcap,
                                                alibi_slopes, sinks)
     check_tensors(query=query, key=key, value=value)
+    check_optional_tensors(attn_mask=attn_mask, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
+                           sinks=sinks)
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
@@ -233,20 +235,30 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
     check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
+    try:
+        out, lse = _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale,
+                                window_size, enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes,
+                                sinks, dropout_p, backend)
+    except (TypeError, RuntimeError):  # the op's own error for a non-tensor names no argument: ours does
+        check_optional_tensors(cu_seq_k=cu_seq_k, seqused_k=seqused_k, block_table=block_table,
+                               alibi_slopes=alibi_slopes, sinks=sinks)
+        raise
+    return (out, lse) if return_lse else out
+
+
+def _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, window_size, enable_gqa,
+                 seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p, backend):
     transformed = _explicit.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
-        args = (query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale, list(window_size),
+        args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, list(window_size),
                 enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
                 None)
         if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
-            out, lse = _C.varlen_attn(*args)
-        else:
-            out, lse = torch.ops.transformer_fast.varlen_attn(*args)
-    else:
-        q, k, v, _, _, scale, _, extras = _C.varlen_args(
-            query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, list(window_size),
-            enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
-        out, lse = _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
-                                       _dropout_seed(dropout_p), extras)
-    return (out, lse) if return_lse else out
+            return _C.varlen_attn(*args)
+        return torch.ops.transformer_fast.varlen_attn(*args)
+    q, k, v, _, _, scale, _, extras = _C.varlen_args(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size),
+        enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
+    return _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
+                               _dropout_seed(dropout_p), extras)

@@ -106,7 +106,7 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
 def _linear_attention(query, key, value, is_causal, key_padding_mask, eps, S0, z0, output_final_state, backend):
     """Every call but the eager one on plain tensors of a kernel dtype (see linear_attention)."""
     check_tensors(query=query, key=key, value=value)
-    for name, t in (("initial_state.S", S0), ("initial_state.z", z0)):
+    for name, t in (("key_padding_mask", key_padding_mask), ("initial_state.S", S0), ("initial_state.z", z0)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     transformed = _explicit.differentiable_forms_needed()
