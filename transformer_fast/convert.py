@@ -51,7 +51,9 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     turned into the drop-in subclass, which has the same parameter names and state-dict keys).
     Only those exact classes are converted, not user subclasses of them (whose forward may
     differ) nor transformer_fast modules (never converted twice). ``attention`` ("softmax" or
-    "linear") is given to every converted attention; "linear" changes the model's function.
+    "linear") is given to every converted attention; "linear" changes the model's function, and is
+    refused (ValueError, nothing converted) where a user subclass of ``nn.TransformerEncoderLayer``
+    holds a ``self_attn``: torch's inference fast path in its forward would bypass it.
 
     The conversion is in place: ``model`` itself is returned, its modules keep the same
     ``Parameter`` objects (an optimizer built before the call trains the converted model) and
@@ -63,6 +65,8 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     _check_attention(attention)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if attention == "linear":
+        _check_no_fast_path_bypass(model)
     if not inplace:
         model = copy.deepcopy(model)
     modules = list(model.named_modules())
@@ -83,3 +87,18 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
         logger.info("transformer_fast.convert: %s: %s.%s -> %s.%s", item.name or "<model>", item.old.__module__,
                     item.old.__qualname__, item.new.__module__, item.new.__qualname__)
     return (model, report) if return_report else model
+
+
+def _check_no_fast_path_bypass(model):
+    """A user subclass of torch.nn.TransformerEncoderLayer is left as it is, but its self_attn would
+    become linear attention, which torch's inference fast path (eval mode, no grad) bypasses: it
+    reads self_attn's weights and computes softmax attention. Refused, before anything changes."""
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.TransformerEncoderLayer) and type(module) is not nn.TransformerEncoderLayer
+                and not isinstance(module, TransformerEncoderLayer)
+                and isinstance(getattr(module, "self_attn", None), nn.MultiheadAttention)):
+            raise ValueError(
+                f"convert(attention='linear'): {name or 'the model'} is a {type(module).__qualname__}, a subclass of "
+                f"torch.nn.TransformerEncoderLayer, which convert leaves as it is; its forward's inference fast "
+                f"path would bypass the linear attention given to its self_attn and compute softmax attention. "
+                f"Build it from torch.nn.TransformerEncoderLayer or transformer_fast.TransformerEncoderLayer")

@@ -32,13 +32,16 @@ like every other position (torch's nested fast path returns 0 there); fully mask
 give 0 (as torch's ``need_weights=False`` path does); with ``add_bias_kv``/``add_zero_attn``,
 ``is_causal=True`` means the causal mask with the appended keys visible to every query (what
 torch computes with ``need_weights=True``; its ``need_weights=False`` path hides them too).
-Inputs that are nested tensors, or head dims above the kernels' limit, run torch's implementation.
+Inputs that are nested tensors (softmax attention and the norms), or head dims above the kernels'
+limit, run torch's implementation; linear attention refuses nested tensors. A stack calls a
+pre-norm layer as a module (unchained) where the layer has hooks or overrides ``forward``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ._validation import MAX_HEAD_DIM
 from .attention import scaled_dot_product_attention
@@ -60,11 +63,20 @@ class _NotScriptable:
                            f"trace through them, or torch.jit.trace")
 
 
+def _nested_norm(module, cls, input, residual):
+    """torch's own norm on nested tensors (the kernels take strided ones), with the residual added."""
+    h = input if residual is None else input + residual
+    y = cls.forward(module, h)
+    return y if residual is None else (y, h)
+
+
 class LayerNorm(_NotScriptable, nn.LayerNorm):
     """Drop-in ``torch.nn.LayerNorm`` (same constructor, parameters and state dict) running the fused
     kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
 
     def forward(self, input, residual=None):
+        if input.is_nested:
+            return _nested_norm(self, nn.LayerNorm, input, residual)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
 
 
@@ -73,6 +85,8 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
     kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
 
     def forward(self, input, residual=None):
+        if input.is_nested:
+            return _nested_norm(self, nn.RMSNorm, input, residual)
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
 
 
@@ -179,6 +193,10 @@ class MultiheadAttention(_NotScriptable, nn.MultiheadAttention):
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                    need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if query.is_nested:
+            raise ValueError("attention='linear' does not take nested tensors: pass padded ones with a "
+                             "key_padding_mask (torch.nn.TransformerEncoder makes nested tensors in eval mode "
+                             "unless built with enable_nested_tensor=False)")
         batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         self_attention = query is key and key is value
         kv_shared = key is value
@@ -482,6 +500,16 @@ def _finish_stack(norm, delta, residual):
     return _norm_add(norm, delta, residual)[0]
 
 
+def _chains_pre_norm(layer, cls):
+    """Whether a stack may call ``layer._forward_pre_norm`` in place of ``layer(...)``: a pre-norm
+    ``cls`` whose call would run ``cls.forward`` alone (no override, no module hooks)."""
+    m = _torch_module
+    return (isinstance(layer, cls) and layer.norm_first and type(layer).forward is cls.forward
+            and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+                     or layer._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                     or m._global_backward_hooks or m._global_backward_pre_hooks))
+
+
 class _LayerStack:
     """The encoder and decoder stacks' conversion: the torch.nn layers (type ``_torch_layer``) in
     ``self.layers`` become ours (``_our_layer``), and the final norm ours."""
@@ -521,7 +549,7 @@ class TransformerEncoder(_LayerStack, _NotScriptable, nn.TransformerEncoder):
         is_causal = _detect_is_causal_mask(mask, is_causal, _seq_len(src, batch_first))
         delta, residual = src, None
         for layer in self.layers:
-            if isinstance(layer, TransformerEncoderLayer) and layer.norm_first:
+            if _chains_pre_norm(layer, TransformerEncoderLayer):
                 delta, residual = layer._forward_pre_norm(delta, residual, mask, src_key_padding_mask, is_causal)
             else:
                 x = delta if residual is None else delta + residual
@@ -547,7 +575,7 @@ class TransformerDecoder(_LayerStack, _NotScriptable, nn.TransformerDecoder):
                  memory_is_causal)
         delta, residual = tgt, None
         for layer in self.layers:
-            if isinstance(layer, TransformerDecoderLayer) and layer.norm_first:
+            if _chains_pre_norm(layer, TransformerDecoderLayer):
                 delta, residual = layer._forward_pre_norm(delta, residual, memory, *masks)
             else:
                 x = delta if residual is None else delta + residual
