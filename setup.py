@@ -88,7 +88,7 @@ setup(
     # No upper bound: the extension is compiled against whichever torch is installed, and a cap
     # below it would make pip replace the user's torch (a multi-GB CUDA build). Install torch
     # first so that pip never picks one itself.
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.11", "numpy"],  # transformer_fast/_build.py, MIN_TORCH
     extras_require={
         "triton": ["triton>=3.2"],
         "test": ["pytest>=8", "hypothesis", "numpy>=1.26", "triton>=3.2", "ninja", "transformers>=5", "matplotlib", "tqdm"],

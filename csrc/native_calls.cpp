@@ -21,6 +21,10 @@
 #include "triton_launch.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 

@@ -63,6 +63,20 @@ def test_loaded_extension_is_newer_than_its_sources(tmp_path):
     assert "schemas.cpp" in _build.sources_newer_than(str(old_binary))
 
 
+def test_torch_older_than_the_sources_need_is_named():
+    """torch 2.10 and older cannot compile csrc/ (ATen APIs they lack): the import says which torch
+    it needs instead of quoting a compiler error; setup.py declares the same floor."""
+    from transformer_fast import _build
+
+    assert _build.torch_too_old(torch.__version__) is None
+    for version in ("2.10.0+cu128", "2.4.1", "1.13.1"):
+        assert _build.torch_too_old(version) == f"it needs torch >= 2.11, found {version}"
+    for version in ("2.11.0", "2.15.0+cu132", "3.0.0a0"):
+        assert _build.torch_too_old(version) is None
+    setup = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")).read()
+    assert '"torch>=2.11"' in setup
+
+
 def test_available_backends_reports_reasons():
     backends = tf.available_backends()
     assert set(backends) == {"triton", "cpp", "reference"}
@@ -177,6 +191,22 @@ def test_attention_rejects_bad_inputs(fn):
         fn(q, k, v, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
         fn(q, k, v, key_padding_mask=torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "cpp"])
+def test_non_tensor_optional_arguments_are_named(backend):
+    """Not the dispatcher's schema error or pybind's list of signatures: TypeError naming it."""
+    q, k, v = _qkv()
+    for name, value in (("attn_mask", np.ones((5, 5), bool)), ("key_padding_mask", [[False] * 5] * 2),
+                        ("alibi_slopes", [1.0, 1.0]), ("sinks", [0.0, 0.0])):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor or None, got {type(value).__name__}"):
+            tf.scaled_dot_product_attention(q, k, v, backend=backend, **{name: value})
+    qp, kp = torch.randn(4, 2, 8), torch.randn(6, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+    for name, value in (("cu_seq_k", [0, 6]), ("seqused_k", [6]), ("sinks", [0.0, 0.0])):
+        args = {"cu_seq_k": cu_k, name: value}
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor or None, got {type(value).__name__}"):
+            tf.varlen_attn(qp, kp, kp, cu_q, args.pop("cu_seq_k"), 4, 6, backend=backend, **args)
 
 
 def test_sdpa_rejects_bad_masks_and_args():

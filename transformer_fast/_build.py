@@ -99,10 +99,26 @@ def _build_failure(exc):
     return (errors[0] if errors else lines[-1] if lines else "")[:500]
 
 
+# The oldest torch the C++ sources build against: they use ATen APIs that 2.10 lacks (2.4.1, 2.8.0 and
+# 2.10.0 fail to compile them; 2.11 to 2.15 pass the test suite). setup.py declares the same.
+MIN_TORCH = (2, 11)
+
+
+def torch_too_old(version=torch.__version__):
+    """Why ``version`` cannot build the extension, or None."""
+    found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    if found < MIN_TORCH:
+        return f"it needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {version}"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def load():
     """(module, None), or (None, the reason it cannot be loaded). Loaded once: a second
     cpp_extension.load of the same extension in one process is not safe."""
+    too_old = torch_too_old()
+    if too_old is not None:
+        return None, too_old
     try:
         from . import _C  # built by setup.py
 
