@@ -64,8 +64,8 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 
   // delta_i = dO_i . O_i (= sum_j P_ij dP_ij, dropout included). Rows whose keys all lie in one
   // tile take sum_j P_ij dP_ij from that tile instead (delta_from_tile): it has no rounding of O,
-  // which in bf16/fp16 dominates dS = P (dP - delta) in rows of few keys (3-18x torch's error in
-  // the mask's gradient with 1-3 keys a row).
+  // which in bf16/fp16 dominates dS = P (dP - delta) in rows of few keys (dQ/dK up to 3x torch's
+  // math with 1-3 keys a row).
   at::Tensor delta = new_tensor({lse_rows}, q.options().dtype(at::kFloat));
   float* delta_data = delta.data_ptr<float>();
   if (p.Nk > BN) at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {

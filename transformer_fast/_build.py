@@ -100,7 +100,7 @@ def _build_failure(exc):
 
 
 # The oldest torch the C++ sources build against: they use ATen APIs that 2.10 lacks (2.4.1, 2.8.0 and
-# 2.10.0 fail to compile them; 2.11 to 2.15 pass the test suite). setup.py declares the same.
+# 2.10.0 fail to compile them; 2.11, the GPU machines' torch, builds them). setup.py declares the same.
 MIN_TORCH = (2, 11)
 
 

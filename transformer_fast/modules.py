@@ -75,7 +75,7 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
     kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
 
     def forward(self, input, residual=None):
-        if input.is_nested:
+        if getattr(input, "is_nested", False):
             return _nested_norm(self, nn.LayerNorm, input, residual)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
 
@@ -85,7 +85,7 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
     kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
 
     def forward(self, input, residual=None):
-        if input.is_nested:
+        if getattr(input, "is_nested", False):
             return _nested_norm(self, nn.RMSNorm, input, residual)
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
 
