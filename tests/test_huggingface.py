@@ -245,4 +245,7 @@ def test_models_served_through_their_flex_attention_support():
     from hf_families import check_family
     for family in ("gemma2", "pegasus_x"):
         result = check_family(family)
-        assert result.status == "matches eager", result
+        # compared with sdpa where this transformers lets the model use it (Gemma 2 in 5.17)
+        model_cls = getattr(transformers, result.model_class)
+        compared_with = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+        assert result.status == f"matches {compared_with}", result

@@ -8,6 +8,17 @@ import importlib
 
 import torch
 
+# Imported once here, not where a mask is built: torch < 2.13's Dynamo cannot import from
+# transformers' lazy top-level module while tracing, and broke the graph there.
+try:
+    from transformers import masking_utils as mu
+except ImportError:  # transformers < 4.53 builds its masks itself; or no transformers (register() says so)
+    mu = None
+try:
+    from transformers.utils.import_utils import is_tracing as _hf_is_tracing
+except ImportError:  # pragma: no cover - older transformers
+    _hf_is_tracing = None
+
 # Attributes set on the masks build_attention_mask returns (read by attention_forward).
 _WINDOW_TAG = "_transformer_fast_window"  # (left, right): the mask lies inside this bottom-right window
 _PACKED_TAG = "_transformer_fast_packed"  # (cu_seqlens int32, max_len, window): block-diagonal packed sequences
@@ -51,11 +62,9 @@ def _is_int(value):
 def _tracing(tensor=None):
     """Whether values cannot be read here (torch.compile, export, jit or fx tracing, fake tensors):
     then no mask is inspected or tagged."""
-    try:
-        from transformers.utils.import_utils import is_tracing
-    except ImportError:  # pragma: no cover - older transformers
+    if _hf_is_tracing is None:
         return torch.jit.is_tracing() or torch.compiler.is_compiling()
-    return is_tracing(tensor)
+    return _hf_is_tracing(tensor)
 
 
 def _probe_window(mask_function, window, device, causal):
@@ -86,7 +95,6 @@ def _recognised_window(mask_function, local_size, config, q_length, kv_length, q
     """The kernels' ``window_size`` that contains ``mask_function``'s pattern, aligned as the kernels
     align it (the last query at the last key), or None. Only where transformers added no overlay
     (it then disallows the mask's omission) and the offsets are plain ints."""
-    from transformers import masking_utils as mu
     if not (_is_int(q_offset) and _is_int(kv_offset)) or q_offset + q_length != kv_offset + kv_length:
         return None  # static caches (tensor offsets, or keys beyond the last query)
     if mask_function is mu.causal_mask_function:
@@ -159,7 +167,6 @@ def build_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=
     """transformers' ``AttentionMaskInterface`` function for this implementation: what ``sdpa_mask``
     returns (4-D bool, True = attend, or None), with the exceptions and tags the module docstring
     describes. Same arguments as ``sdpa_mask``."""
-    from transformers import masking_utils as mu
     if mask_function is None:
         mask_function = mu.causal_mask_function
     device = kwargs.get("device", "cpu")
