@@ -214,7 +214,9 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     (num_pages, page_size, Hk, D): a paged cache, pages in any order (needs ``seqused_k``;
     ``cu_seq_k`` is then not read and may be None). Both are inference-only, as in torch.
     ``num_splits``: how many parts a sequence's keys may be split into for decoding (None: chosen
-    automatically; 1: never).
+    automatically; 1: never). Unlike torch's, ``num_splits=1`` does not make a sequence's result
+    bitwise independent of the other sequences in the pack: the C++ kernel tiles by the pack's
+    longest query sequence, so the last bits may change with the pack (docs/attention.md).
     ``softcap``, ``alibi_slopes`` ((H,) or (B, H)), ``sinks`` ((H,)) and ``dropout_p`` as in
     ``scaled_dot_product_attention``. Returns (Tq, H, Dv), and with ``return_aux.lse`` also the
     log-sum-exp, (H, Tq) float32 (the layout torch's kernel returns).
