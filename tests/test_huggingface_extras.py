@@ -479,6 +479,6 @@ def test_models_that_fold_indexer_masks_only_for_eager_and_sdpa_are_refused():
     assert "passes 'transformer_fast' sparse indices" in tf_hf.unsupported_model_message(cls)
     assert tf_hf.supports_model(transformers.Gemma2Model) and tf_hf.supports_model(transformers.GptOssModel)
     # a vision tower beside such a text model in the same module does not use its attention
-    # (transformers >= 5.2x; 5.17 has no such module)
+    # (in transformers 5.24; 5.17 has no such model)
     if hasattr(transformers, "HYV4VLVisionModel"):
         assert tf_hf.supports_model(transformers.HYV4VLVisionModel)

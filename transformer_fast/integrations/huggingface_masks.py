@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-# Imported once here, not where a mask is built: torch < 2.13's Dynamo cannot import from
+# Imported once here, not where a mask is built: torch 2.11's Dynamo cannot import from
 # transformers' lazy top-level module while tracing, and broke the graph there.
 try:
     from transformers import masking_utils as mu
