@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_fast as tf
-import transformer_fast.modules as tfm
+import transformer_fast.multihead_attention as tf_mha
 from transformer_fast import reference
 
 from helpers import assert_close_to_reference, max_error
@@ -270,7 +270,7 @@ def test_mha_self_attention_passes_strided_views_without_copies(monkeypatch):
         seen.update(q=q, k=k, v=v, **kwargs)
         return tf.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    monkeypatch.setattr(tfm, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(tf_mha, "scaled_dot_product_attention", spy)
     ours = tf.MultiheadAttention(E, H, batch_first=True)
     x = seq(S, B, True)
     mask = torch.randn(B * H, S, S)
@@ -278,7 +278,7 @@ def test_mha_self_attention_passes_strided_views_without_copies(monkeypatch):
     kpm[0, -1] = True
     calls = []
     linear = F.linear
-    monkeypatch.setattr(tfm.F, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    monkeypatch.setattr(tf_mha.F, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
     ours(x, x, x, attn_mask=mask, key_padding_mask=kpm, need_weights=False)
     q, k, v = seen["q"], seen["k"], seen["v"]
     assert calls[0] == (3 * E, E), "Q, K and V must come from one matmul"
@@ -583,7 +583,7 @@ def test_residual_adds_are_fused_into_the_norms(monkeypatch, norm_first):
         return tf.scaled_dot_product_attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(ln_module, "layer_norm", spy_norm)
-    monkeypatch.setattr(tfm, "scaled_dot_product_attention", spy_attention)
+    monkeypatch.setattr(tf_mha, "scaled_dot_product_attention", spy_attention)
     enc = tf.TransformerEncoder(tf.TransformerEncoderLayer(E, H, 40, 0.0, norm_first=norm_first), 3, tf.LayerNorm(E))
     x = seq(S, B, False)
     enc(x, mask=nn.Transformer.generate_square_subsequent_mask(S))

@@ -9,8 +9,9 @@ from typing import NamedTuple
 from torch import nn
 
 from .integrations.huggingface_norms import fused_class, is_convertible_norm
+from ._module_support import adopt, check_attention
 from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
-                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, _adopt, _check_attention)
+                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
     where ``report`` lists a ``Replacement(name, old, new)`` per converted module (nested ones
     included, in module order). The same list is logged at INFO level on the ``transformer_fast.convert`` logger.
     """
-    _check_attention(attention)
+    check_attention(attention)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if attention == "linear":
@@ -75,12 +76,12 @@ def convert(model, attention="softmax", inplace=True, *, return_report=False):
         cls = _REPLACEMENTS.get(type(module))
         if cls is None:
             if is_convertible_norm(module):
-                _adopt(module, fused_class(type(module)))
+                adopt(module, fused_class(type(module)))
             continue
         if hasattr(cls, "from_torch"):
             cls.from_torch(module, attention)
         else:
-            _adopt(module, cls)
+            adopt(module, cls)
     report = [Replacement(name, old, type(module)) for (name, module), old in zip(modules, before)
               if type(module) is not old]
     for item in report:

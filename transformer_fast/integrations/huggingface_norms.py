@@ -45,7 +45,7 @@ import torch
 
 from .._backends import KERNEL_DTYPES
 from ..layer_norm import layer_norm, rms_norm
-from ..modules import _NotScriptable
+from .._module_support import NotScriptable
 
 _DTYPES = (*KERNEL_DTYPES, torch.float64)  # float64 through the plain-torch backend
 _FULL_PRECISION = (torch.float32, torch.float64)
@@ -232,7 +232,7 @@ def _new_fused(transformers_class):
 def fused_class(transformers_class):
     """The subclass of ``transformers_class`` (a recognised norm class) whose forward runs the
     fused kernel; made once per class, with the same name."""
-    return type(transformers_class.__name__, (_NotScriptable, transformers_class), {
+    return type(transformers_class.__name__, (NotScriptable, transformers_class), {
         "__module__": __name__,
         "__qualname__": transformers_class.__qualname__,
         "__doc__": f"{transformers_class.__module__}.{transformers_class.__qualname__} running transformer_fast's "
