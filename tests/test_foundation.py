@@ -288,9 +288,21 @@ def test_layer_norm_rejects_bad_inputs():
     for name, value in (("residual", 1.0), ("weight", [1.0] * 6), ("bias", 2)):
         with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor or None, got {type(value).__name__}"):
             tf.layer_norm(x, (6,), **{name: value})
+    with pytest.raises(TypeError, match="eps must be a real scalar or None, got str"):
+        tf.rms_norm(x, (6,), eps="1e-5")
+    for eps, words in (("1e-5", "got str"), (None, "got NoneType")):  # None: torch's layer_norm refuses it too
+        with pytest.raises(TypeError, match=f"eps must be a real scalar, {words}"):
+            tf.layer_norm(x, (6,), eps=eps)
     for fn in (tf.layer_norm, tf.rms_norm):
-        with pytest.raises(TypeError, match="eps must be a real scalar or None, got str"):
-            fn(x, (6,), eps="1e-5")
+        # any integer or sequence of integers, as torch takes; else named (not pybind's signatures)
+        expected = fn(x, (6,))
+        for shape in (6, np.int64(6), [np.int32(6)], torch.Size([6])):
+            assert torch.equal(fn(x, shape), expected)
+        for shape, got in (((6.0,), "tuple of float"), (None, "NoneType"), ("6", "str"), (torch.tensor([6]), "Tensor"),
+                           (True, "bool")):
+            with pytest.raises(TypeError, match=f"{fn.__name__}: normalized_shape must be an int or a sequence of "
+                                                f"ints, got {got}$"):
+                fn(x, shape)
     q = torch.randn(1, 1, 3, 4)
     for eps, words in (("1e-6", "got str"), (None, "got NoneType")):
         with pytest.raises(TypeError, match=f"eps must be a real scalar, {words}"):

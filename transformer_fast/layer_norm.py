@@ -29,6 +29,31 @@ from ._validation import real_scalar
 
 _C, _ = _build.load()
 _promote = torch.promote_types
+_SHAPE_SEQUENCES = (tuple, list, torch.Size)  # the types the binding's fast path takes as it is
+
+
+def _normalized_shape(name, value):
+    """``normalized_shape`` as torch takes it (an integer, or a sequence of integers) as a tuple."""
+    def integral(s):
+        return isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool)
+
+    if integral(value):
+        return (value,) if isinstance(value, torch.SymInt) else (int(value),)
+    if isinstance(value, (tuple, list)) and all(integral(s) for s in value):
+        return tuple(s if isinstance(s, torch.SymInt) else int(s) for s in value)
+    got = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        got += " of " + ", ".join(sorted({type(s).__name__ for s in value}))
+    raise TypeError(f"{name}: normalized_shape must be an int or a sequence of ints, got {got}")
+
+
+def _fused(name, input, normalized_shape, weight, bias, eps, residual, is_rms):
+    """The binding's eager call; a normalized_shape it cannot take is named in the error."""
+    try:
+        return _C.layer_norm(input, normalized_shape, weight, bias, eps, residual, is_rms)
+    except TypeError:
+        _normalized_shape(name, normalized_shape)
+        raise
 
 
 def _stats_dtype(x):
@@ -51,8 +76,7 @@ def _(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
 
 def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend):
     """Every call but the eager one on plain tensors (see layer_norm)."""
-    if isinstance(normalized_shape, numbers.Integral):
-        normalized_shape = (int(normalized_shape),)
+    normalized_shape = _normalized_shape("rms_norm" if is_rms else "layer_norm", normalized_shape)
     check_tensors(input=x)
     check_optional_tensors(weight=weight, bias=bias, residual=residual)
     # the residual add promotes (x + r): the kernels run in the promoted dtype
@@ -81,12 +105,13 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, res
     ``torch.autocast`` it follows torch's rule for ``layer_norm``: float32 on CUDA, the input's
     dtype on the CPU.
     """
-    if eps is not None and type(eps) is not float:
-        eps = real_scalar("eps", eps)
+    if type(eps) is not float:  # None too: torch's layer_norm has no default for it
+        eps = real_scalar("eps", eps, optional=False)
     if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight, bias)
-            and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
-                                                       or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
-        y, h = _C.layer_norm(input, normalized_shape, weight, bias, eps, residual, False)
+            and type(normalized_shape) in _SHAPE_SEQUENCES
+            and (residual is None or residual.dtype == input.dtype
+                 or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
+        y, h = _fused("layer_norm", input, normalized_shape, weight, bias, eps, residual, False)
         return y if residual is None else (y, h)
     return _normalize(input, normalized_shape, weight, bias, eps, residual, False, backend)
 
@@ -101,8 +126,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None, *, residual=None, b
     if eps is not None and type(eps) is not float:
         eps = real_scalar("eps", eps)
     if (backend == "auto" and not dynamo_compiling() and direct(1, input, residual, weight)
-            and type(normalized_shape) is not int and (residual is None or residual.dtype == input.dtype
-                                                       or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
-        y, h = _C.layer_norm(input, normalized_shape, weight, None, eps, residual, True)
+            and type(normalized_shape) in _SHAPE_SEQUENCES
+            and (residual is None or residual.dtype == input.dtype
+                 or _promote(input.dtype, residual.dtype) in KERNEL_DTYPES)):
+        y, h = _fused("rms_norm", input, normalized_shape, weight, None, eps, residual, True)
         return y if residual is None else (y, h)
     return _normalize(input, normalized_shape, weight, None, eps, residual, True, backend)
