@@ -105,7 +105,8 @@ void def_attention_kernels(py::module& m, const std::string& suffix, Forward for
 
 // _C.direct(n_tensors, *args): whether a public Python function may call its op's C++ function
 // directly rather than through torch.ops. True when the first n_tensors args are plain tensors
-// (torch.Tensor or nn.Parameter: no __torch_function__ of their own), the first of a dtype the
+// (torch.Tensor or nn.Parameter: no __torch_function__ of their own; not nested, which the Python
+// caller then refuses by name), the first of a dtype the
 // kernels take, the other args plain tensors or None, and nothing must see the op itself: no
 // TorchFunctionMode, jit.trace, torch.func transform, forward-mode AD level, torch.compile or
 // torch.export (torch.compiler._is_compiling_flag; under Dynamo the Python caller asks
@@ -139,7 +140,8 @@ PyObject* direct(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) 
     return nullptr;
   }
   for (Py_ssize_t i = 1; i < nargs; ++i) {
-    if (!(THPVariable_CheckExact(args[i]) || (i > n_tensors && args[i] == Py_None))) Py_RETURN_FALSE;
+    if (i > n_tensors && args[i] == Py_None) continue;
+    if (!THPVariable_CheckExact(args[i]) || THPVariable_Unpack(args[i]).is_nested()) Py_RETURN_FALSE;
   }
   const auto dtype = THPVariable_Unpack(args[1]).scalar_type();
   if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) Py_RETURN_FALSE;

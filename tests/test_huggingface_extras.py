@@ -473,6 +473,22 @@ def test_kwargs_with_an_unimplemented_meaning_raise():
                             indices=None, sliding_window=2)
 
 
+def test_integer_masks():
+    """A 4-D mask of 0/1 integers would be added to the scores (no masking at all): refused, as sdpa
+    refuses it. A 2-D (batch, keys) padding mask of integers (1 = attend) is a padding mask."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 3, 8)
+    module = torch.nn.Module()
+    causal = torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 1, 3, 3)
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        with pytest.raises(TypeError, match=f"Module: attention_mask must be bool .* or float .*, got {dtype}"):
+            tf_hf.attention_forward(module, q, q, q, causal.to(dtype))
+    padding = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    expected, _ = tf_hf.attention_forward(module, q, q, q, padding.bool()[:, None, None, :], is_causal=False)
+    got, _ = tf_hf.attention_forward(module, q, q, q, padding, is_causal=False)
+    assert torch.equal(got, expected)
+
+
 def test_models_that_fold_indexer_masks_only_for_eager_and_sdpa_are_refused():
     cls = transformers.DeepseekV32Model
     assert not tf_hf.supports_model(cls)

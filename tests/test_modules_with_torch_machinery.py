@@ -27,6 +27,22 @@ def test_layer_norm_takes_nested_tensors():
     assert torch.equal(y.to_padded_tensor(0), theirs(x + r).to_padded_tensor(0))
 
 
+def test_functions_refuse_nested_tensors():
+    """The ops have no nested-tensor kernels: the functions name the argument (the modules above run
+    torch's own computation instead)."""
+    x = _nested()
+    q = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)], layout=torch.jagged)
+    strided = torch.randn(2, 2, 3, 8)
+    message = "must be a strided tensor, got a nested tensor"
+    for call, name in ((lambda: tf.layer_norm(x, (16,)), "input"), (lambda: tf.rms_norm(x, (16,)), "input"),
+                       (lambda: tf.layer_norm(torch.randn(2, 16), (16,), residual=x), "residual"),
+                       (lambda: tf.scaled_dot_product_attention(q, q, q), "query"),
+                       (lambda: tf.scaled_dot_product_attention(strided, q, q), "key"),
+                       (lambda: tf.linear_attention(q, q, q), "query")):
+        with pytest.raises(TypeError, match=f"^{name} {message}"):
+            call()
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_torch_encoder_runs_our_layers_on_nested_tensors(norm_first):
     """torch.nn.TransformerEncoder (enable_nested_tensor, the default) turns a padded batch into a

@@ -26,15 +26,25 @@ _C, _ = _build.load()
 direct = _C.direct if _C is not None else _without_extension
 
 
+def _refuse_nested(name, t):
+    if t.is_nested:  # the ops have no nested-tensor kernels: say so instead of the dispatcher's NotImplementedError
+        raise TypeError(f"{name} must be a strided tensor, got a nested tensor (the kernels take padded batches "
+                        f"with a key_padding_mask, or packed ones through varlen_attn; the LayerNorm/RMSNorm "
+                        f"modules run torch's own norm on nested tensors)")
+
+
 def check_tensors(**tensors):
-    """TypeError naming the first argument that is not a tensor."""
+    """TypeError naming the first argument that is not a (strided) tensor."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _refuse_nested(name, t)
 
 
 def check_optional_tensors(**tensors):
-    """TypeError naming the first argument that is neither a tensor nor None."""
+    """TypeError naming the first argument that is neither a (strided) tensor nor None."""
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t is not None:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+            _refuse_nested(name, t)

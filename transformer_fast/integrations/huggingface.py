@@ -401,10 +401,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if position_bias is not None:
         attention_mask = _position_bias_mask(position_bias, attention_mask, is_causal, q_len, k_len)
         is_causal = False
-    if attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32):
-        attention_mask = attention_mask.to(query.dtype)  # float32 stays: added in float32, as by sdpa
     if attention_mask is not None and attention_mask.dim() == 2:  # a (B, Lk) padding mask, 1 = attend
         attention_mask = attention_mask.bool()[:, None, None, :]
+    elif attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32):
+        if not attention_mask.is_floating_point():  # 0/1 integers would be added, not mask (sdpa refuses them)
+            raise TypeError(f"{type(module).__name__}: attention_mask must be bool (True = attend) or float "
+                            f"(added to the scores), got {attention_mask.dtype}")
+        attention_mask = attention_mask.to(query.dtype)  # float32 stays: added in float32, as by sdpa
     key_padding_mask = None
     if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 \
             and all(attention_mask.shape[d] == 1 or attention_mask.stride(d) == 0 for d in (1, 2)):
