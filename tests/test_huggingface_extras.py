@@ -468,6 +468,8 @@ def test_kwargs_with_an_unimplemented_meaning_raise():
         tf_hf.attention_forward(module, q, q, q, None, something_new=1)
     with pytest.raises(ValueError, match=r"s_aux of shape \(3,\)"):
         tf_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(3))
+    with pytest.warns(UserWarning, match="returns no attention weights"):  # as sdpa logs it
+        assert tf_hf.attention_forward(module, q, q, q, None, output_attentions=True)[1] is None
     # harmless ones, and None values, pass
     tf_hf.attention_forward(module, q, q, q, None, position_ids=torch.arange(3)[None], output_attentions=False,
                             indices=None, sliding_window=2)

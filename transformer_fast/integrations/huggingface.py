@@ -19,8 +19,8 @@ spans the sequences, as on "sdpa" and "eager", and a warning says so); or ``cu_s
 ``cu_seq_lens_k`` with ``max_length_q``/``max_length_k`` (``return_flash_attn_kwargs=True``),
 honoured as transformers' flash-attention path honours them, provided the mask is their
 block-diagonal mask or plain causal (ValueError otherwise).
-Not supported: ``output_attentions=True`` (there are no weights; None is returned, as ``sdpa``
-does), paged caches, and any keyword argument whose meaning the kernels do not implement (sparse
+Not supported: ``output_attentions=True`` (there are no weights; None is returned with a warning,
+as ``sdpa`` does), paged caches, and any keyword argument whose meaning the kernels do not implement (sparse
 attention ``indices``/``block_indices``, per-token ``sinks``): ``attention_forward`` raises
 ValueError for those rather than ignoring them.
 
@@ -365,6 +365,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     is read only with ``cu_seq_lens_*`` (elsewhere the mask carries the window). Returns
     (output (B, Lq, H, Dv), None)."""
     _check_kwargs(module, kwargs)
+    if kwargs.get("output_attentions"):
+        warnings.warn(f"attn_implementation={NAME!r} returns no attention weights (output_attentions=True gives "
+                      f"None, as 'sdpa' does); use attn_implementation='eager' for them", stacklevel=2)
     b, heads, q_len, _ = query.shape
     k_len = key.shape[2]
     softcap = _softcap(module, softcap)
