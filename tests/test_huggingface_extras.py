@@ -485,6 +485,8 @@ def test_integer_masks():
     for dtype in (torch.int64, torch.int32, torch.uint8):
         with pytest.raises(TypeError, match=f"Module: attention_mask must be bool .* or float .*, got {dtype}"):
             tf_hf.attention_forward(module, q, q, q, causal.to(dtype))
+        with pytest.raises(TypeError, match="attention_mask must be bool"):  # nor added to a T5-style bias
+            tf_hf.attention_forward(module, q, q, q, causal.to(dtype), position_bias=torch.zeros(1, 2, 3, 3))
     padding = torch.tensor([[1, 1, 1], [1, 1, 0]])
     expected, _ = tf_hf.attention_forward(module, q, q, q, padding.bool()[:, None, None, :], is_causal=False)
     got, _ = tf_hf.attention_forward(module, q, q, q, padding, is_causal=False)

@@ -368,6 +368,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if kwargs.get("output_attentions"):
         warnings.warn(f"attn_implementation={NAME!r} returns no attention weights (output_attentions=True gives "
                       f"None, as 'sdpa' does); use attn_implementation='eager' for them", stacklevel=2)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2 and \
+            not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+        # 0/1 integers would be added to the scores, masking nothing (eager does that; sdpa refuses them)
+        raise TypeError(f"{type(module).__name__}: attention_mask must be bool (True = attend) or float (added "
+                        f"to the scores), got {attention_mask.dtype}")
     b, heads, q_len, _ = query.shape
     k_len = key.shape[2]
     softcap = _softcap(module, softcap)
@@ -407,9 +412,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None and attention_mask.dim() == 2:  # a (B, Lk) padding mask, 1 = attend
         attention_mask = attention_mask.bool()[:, None, None, :]
     elif attention_mask is not None and attention_mask.dtype not in (torch.bool, torch.float32):
-        if not attention_mask.is_floating_point():  # 0/1 integers would be added, not mask (sdpa refuses them)
-            raise TypeError(f"{type(module).__name__}: attention_mask must be bool (True = attend) or float "
-                            f"(added to the scores), got {attention_mask.dtype}")
         attention_mask = attention_mask.to(query.dtype)  # float32 stays: added in float32, as by sdpa
     key_padding_mask = None
     if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 \
