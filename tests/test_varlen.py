@@ -127,6 +127,54 @@ def test_dropout_forward_and_backward_agree(backend):
         assert (dq[rows].transpose(0, 1)[None].double() - ref_dq).abs().max() < 1e-4
 
 
+def _strided(t):
+    """t's values in a view with strides twice t's along every dim (not contiguous)."""
+    big = torch.full([2 * n for n in t.shape], -7, dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_index_tensors_with_any_strides(backend):
+    """cu_seq_q, cu_seq_k, seqused_k and block_table as strided views (values -7 between theirs)
+    give the contiguous tensors' results, outputs and gradients: the Triton kernels read them at
+    unit stride and once took the views' gaps for offsets (output off by 3.4)."""
+    q, k, v, cu_q, cu_k = make_pack([5, 0, 9], [7, 3, 9])
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    runs = []
+    for strided in (False, True):
+        idx = (_strided(cu_q), _strided(cu_k)) if strided else (cu_q, cu_k)
+        out = tf.varlen_attn(*inputs, *idx, 9, 9, window_size=(-1, 0), backend=backend)
+        runs.append((out, *torch.autograd.grad(out, inputs, torch.ones_like(out))))
+    assert not _strided(cu_q).is_contiguous()
+    for plain, strided in zip(*runs):
+        assert torch.equal(plain, strided)
+    kp, vp, table, used = paged([23, 1, 40], 8)
+    qd = torch.randn(3, 2, 16, device=_device())
+    with torch.no_grad():
+        outs = [tf.varlen_attn(qd, kp, vp, offsets([1, 1, 1]), None, 1, 40, seqused_k=u, block_table=t,
+                               backend=backend)
+                for u, t in ((used, table), (_strided(used), _strided(table)), (used, table.t().contiguous().t()))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    check_varlen(backend, qd, kp, vp, offsets([1, 1, 1]), None, seqused_k=_strided(used), block_table=_strided(table),
+                 grads=False)
+
+
+@pytest.mark.triton
+def test_triton_op_refuses_index_tensors_it_cannot_read():
+    """The op below varlen_attn (which passes unit strides) refuses other strides on the Triton
+    backend rather than reading them wrongly."""
+    need_triton = tf.available_backends()["triton"]
+    if need_triton is not None:
+        pytest.skip(f"triton: {need_triton}")
+    from transformer_fast.kernels import attention as triton_attention
+    q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])
+    with pytest.raises(ValueError, match="cu_seq_k must have a unit stride"):
+        triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, cu_seq_q=cu_q,
+                                           cu_seq_k=_strided(cu_k), max_q=4, max_k=4)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
 @pytest.mark.parametrize("case", ["unsorted", "too_long", "max_q", "seqused", "block_table"])
 def test_bad_offsets_are_refused(backend, case):
@@ -160,6 +208,7 @@ def test_bad_offsets_are_refused(backend, case):
     (dict(max_q=2.0), TypeError, "max_q"),
     (dict(window_size=(-3, 0)), ValueError, "window_size"),
     (dict(seqused_k=torch.tensor([1, 2])), TypeError, "seqused_k must be an int32"),
+    (dict(return_aux=True), TypeError, "return_aux must be an AuxRequest or None, got bool"),
 ])
 def test_bad_arguments_are_refused(change, error, words):
     q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])

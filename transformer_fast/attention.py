@@ -233,7 +233,11 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
     if type(enable_gqa) is not bool:
         check_bools(enable_gqa=enable_gqa)
-    return_lse = bool(getattr(return_aux, "lse", False)) if return_aux is not None else False
+    return_lse = False
+    if return_aux is not None:
+        if not hasattr(return_aux, "lse"):  # torch's AuxRequest, ours, or anything with an `lse` flag
+            raise TypeError(f"return_aux must be an AuxRequest or None, got {type(return_aux).__name__}")
+        return_lse = bool(return_aux.lse)
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
     check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
