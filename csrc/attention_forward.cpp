@@ -288,6 +288,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
   return {out, lse};
 }
 
+bool native_lowp_products(at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf, "dtype must be bfloat16 or float16, got ", dtype);
+  return dtype == at::kBFloat16 ? cpu_blas::native_lowp_products<at::BFloat16>()
+                                : cpu_blas::native_lowp_products<at::Half>();
+}
+
 TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
   m.impl("attention_forward", &attention_forward);
 }

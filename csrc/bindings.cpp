@@ -266,6 +266,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_attention_kernels(m, "_cuda", &tf::attention_forward_cuda, &tf::attention_backward_cuda);
   m.def("register_cuda_kernels", &tf::register_cuda_kernels);
 #endif
+  // Whether the CPU kernels' bf16/fp16 tile products use the CPU's own (cpu_blas.h), for tests.
+  m.def("native_lowp_products", &tf::native_lowp_products, py::arg("dtype"));
   // The kernel families that also run on CUDA tensors in this build.
   m.def("cuda_families", [] {
 #if defined(TRANSFORMER_FAST_WITH_CUDA)

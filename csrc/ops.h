@@ -40,6 +40,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta);
 
+// Whether the CPU kernels multiply bf16/fp16 tiles with the CPU's own products of that dtype, not
+// in fp32 on converted copies (cpu_blas.h: native_lowp_products).
+bool native_lowp_products(at::ScalarType dtype);
+
 // ---- LayerNorm / RMSNorm (layer_norm.cpp); absent optional results are undefined tensors (None) ----
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,

@@ -460,3 +460,38 @@ def test_bad_index_values_are_rejected():
     ]:
         with pytest.raises(ValueError, match=match):
             tf.varlen_attn(q, pages_k, pages_v, cu_q, None, 4, 5, seqused_k=used, block_table=table, backend="cpp")
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16/fp16 tile products: the CPU's own, or fp32 on converted copies
+# ---------------------------------------------------------------------------------------------
+_OTHER_PRODUCTS_SCRIPT = """
+import sys, torch
+import transformer_fast as tf
+from attention_cases import check_attention, make_qkv, random_key_padding
+expected = sys.argv[1] == "native"
+assert tf._C.native_lowp_products(torch.bfloat16) == expected == tf._C.native_lowp_products(torch.float16)
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16):
+    for B, H, Hk, Nq, Nk, D, Dv, causal in [(2, 3, 3, 70, 150, 40, 24, True), (2, 4, 2, 33, 200, 64, 64, False),
+                                          (1, 2, 2, 300, 300, 32, 32, False)]:
+        q, k, v = make_qkv(B, H, Nq, Nk, D, Dv, Hk=Hk, dtype=dtype, layout="bnhd")
+        check_attention("cpp", q, k, v, is_causal=causal, key_padding_mask=random_key_padding(B, Nk))
+print("checked")
+"""
+
+
+def test_low_precision_products_the_other_way():
+    """bf16/fp16 tiles are multiplied by the CPU's own products of that dtype where it has them
+    (AVX512-BF16, AMX; AVX512-FP16), else in fp32 on copies converted per product (cpu_blas.h).
+    The tests in this process take this CPU's way; TRANSFORMER_FAST_LOWP_GEMM (read once per process)
+    forces the other in a subprocess: outputs and q, k, v gradients against the float64 reference."""
+    import subprocess
+    import sys
+    other = "float" if tf._C.native_lowp_products(torch.bfloat16) else "native"
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _OTHER_PRODUCTS_SCRIPT, other], cwd=tests_dir, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRANSFORMER_FAST_LOWP_GEMM": other})
+    assert proc.returncode == 0 and proc.stdout.strip() == "checked", proc.stdout[-2000:] + proc.stderr[-3000:]
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float16"):
+        tf._C.native_lowp_products(torch.float32)
