@@ -25,6 +25,10 @@ EARLIER_FORMATS = {
 }
 # Records that are not benchmark results: what each is.
 OTHER_RECORDS = {
+    "cpu-lowp-products-2026-11-29.txt": "the C++ attention's bf16/fp16 tile products on an AVX2 CPU: MKL's bf16 "
+                                        "gemm and torch's fp16 mm against fp32 products on operands converted "
+                                        "per product: bf16 1.00-1.03x, fp16 1.03-1.17x forward and 1.09-1.13x "
+                                        "forward+backward",
     "cpu-norm-weight-grad-chunks-2026-11-28.txt": "the C++ LayerNorm/RMSNorm backward's weight gradient summed in "
                                                   "chunks of 16 rows instead of 64: RMSNorm's dweight over 64-1000 "
                                                   "rows 0.6-0.9x torch's error (was 1.1-1.8x), time within noise",
