@@ -166,10 +166,10 @@ def _window_keys(window, rows, keys):
     return min(keys, left + 1 + rows + max(right, 0))
 
 
-def _check_index_strides(**tensors):
-    """The kernels read an index tensor's last dim at unit stride. The public functions pass them so
-    (csrc/attention_args.cpp); the op called directly with other strides is refused. Run once per
-    call signature (strides are part of it), when its launches are planned."""
+def _check_unit_strides(**tensors):
+    """The kernels read the sinks and the index tensors' last dim at unit stride. The public
+    functions pass them so (csrc/attention_args.cpp); the op called directly with other strides is
+    refused. Run once per call signature (strides are part of it), when its launches are planned."""
     for name, t in tensors.items():
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"attention (Triton): {name} must have a unit stride along its last dim, got strides "
@@ -180,7 +180,8 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
                   sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits):
     """attention_forward's launches for one call signature (kernels/_launch.py): the outputs' shapes
     and the forward's (and the split combine's) LaunchPlan."""
-    _check_index_strides(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, seqused_k=seqused_k, block_table=block_table)
+    _check_unit_strides(sinks=sinks, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, seqused_k=seqused_k,
+                        block_table=block_table)
     packed = cu_seq_q is not None
     if packed:
         layout = 2 if block_table is not None else 1
@@ -284,7 +285,7 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
                          max_k=0):
     """What the dK/dV and dQ kernels share: the arguments after their tensors, as a dict of named
     pieces, and the constexprs (`seed` at scalars[seed_at]). See _backward_plan for their use."""
-    _check_index_strides(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k)
+    _check_unit_strides(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k)
     packed = cu_seq_q is not None
     if packed:
         Tq, H, D = q.shape

@@ -163,8 +163,8 @@ def test_index_tensors_with_any_strides(backend):
 
 @pytest.mark.triton
 def test_triton_op_refuses_index_tensors_it_cannot_read():
-    """The op below varlen_attn (which passes unit strides) refuses other strides on the Triton
-    backend rather than reading them wrongly."""
+    """The op below varlen_attn (which passes unit strides) refuses index tensors and sinks of other
+    strides on the Triton backend rather than reading them wrongly."""
     need_triton = tf.available_backends()["triton"]
     if need_triton is not None:
         pytest.skip(f"triton: {need_triton}")
@@ -173,6 +173,9 @@ def test_triton_op_refuses_index_tensors_it_cannot_read():
     with pytest.raises(ValueError, match="cu_seq_k must have a unit stride"):
         triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, cu_seq_q=cu_q,
                                            cu_seq_k=_strided(cu_k), max_q=4, max_k=4)
+    with pytest.raises(ValueError, match="sinks must have a unit stride"):
+        triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, sinks=_strided(torch.zeros(2)),
+                                           cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=4, max_k=4)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
