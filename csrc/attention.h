@@ -296,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta);
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks);
 void register_cuda_kernels();
 #endif
 

@@ -222,7 +222,7 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
                 float* s = S.data() + r * ldS;
                 const Vec shift(lse_t[r]), mult(s_scale);
                 at::vec::map([shift, mult](Vec x) { return exp_softmax(at::vec::fmsub(x, mult, shift)); }, s, s, bn);
-                if (keys_in_tile[r]) renormalize_row(s, bn, lse_t[r]);
+                if (keys_in_tile[r]) renormalize_row(s, bn, lse_t[r], p.sinks ? p.sinks[h] : kNegInf);
                 if (masked) {
                   for (int64_t c = 0; c < bn; ++c) colsum[c] += s[c];
                 }
@@ -362,9 +362,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
   const char* fn = "attention_backward";
-  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k,
+  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k,
                                         std::nullopt, std::nullopt, max_q, max_k, 0);
   const CpuProblem cp = cpu_problem(fn, q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                                     seed, x);
@@ -414,11 +414,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
   auto [dq, dk, dv, dmask, delta] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                                                        is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                        softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                       compute_delta);
+                                                       compute_delta, sinks);
   return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 

@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
                                  attention_fwd_cuda);
 }
 
-// compute_delta serves the sinks' gradient, and these kernels take no sinks.
+// compute_delta and sinks serve attention sinks, which these kernels do not take (the forward refuses them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
@@ -93,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
   check_dense_only(make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k, std::nullopt,
                                std::nullopt, max_q, max_k, 0),
                    "attention_backward");
@@ -115,11 +115,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
   auto [dq, dk, dv, dmask, delta] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                                                             is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                             softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                            compute_delta);
+                                                            compute_delta, sinks);
   return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 

@@ -17,7 +17,7 @@ using AttentionForwardSig = std::tuple<at::Tensor, at::Tensor>(
 using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, bool, double, double, const OptTensor&, bool, at::IntArrayRef, double,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool);
+    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, const OptTensor&);
 using AttentionBackwardCompositeSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
     bool, double, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
@@ -77,7 +77,7 @@ struct AttentionBackward : public torch::autograd::Node {
       at::Tensor delta;
       std::tie(result[0], result[1], result[2], dmask, delta) = attention_backward_op().call(
           dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, mask_grad, window,
-          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, sinks_grad);
+          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, sinks_grad, sinks);
       if (sinks_grad) dsinks = sinks_gradient(delta, lse, *sinks, cu_seq_q.has_value());
     }
     if (mask_grad) result[3] = dmask;  // autograd sums dS over the mask's broadcast dims
@@ -162,11 +162,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const OptTensor& sinks) {
   const auto no_autocast = autocast_off();
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta);
+                                      cu_seq_k, max_q, max_k, compute_delta, sinks);
 }
 
 // The backward op is never differentiated itself (second derivatives go through
@@ -177,14 +177,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta) {
+    int64_t max_k, bool compute_delta, const OptTensor& sinks) {
   TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask),
                               "transformer_fast::attention_backward is not differentiable; differentiate the "
                               "forward op with create_graph=True instead");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta);
+                                      cu_seq_k, max_q, max_k, compute_delta, sinks);
 }
 
 }  // namespace

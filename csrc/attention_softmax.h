@@ -194,12 +194,14 @@ inline float delta_from_tile(const float* s, const float* dp, int64_t n) {
   return sum;
 }
 
-// A row whose keys all lie in one tile: its P = exp(S - lse) sum to 1 but for the rounding of lse
-// to fp32 (and of the forward's sum inside it), a factor 1 + e common to the row, |e| up to about
-// |lse| 2^-24: at scales of 1-3 over a few keys (|lse| ~ 50) that made fp32 dQ 3x torch's error.
-// A sum within that of 1 is such a factor, and the row is divided by it; a sum further off holds a
-// sink's share (the backward does not know the sinks) and is left as it is.
-inline void renormalize_row(float* s, int64_t n, float lse) {
+// A row whose keys all lie in one tile: its P = exp(S - lse) sum to 1 - P_sink (P_sink = exp(sink -
+// lse), 0 without a sink) but for the rounding of lse to fp32 (and of the forward's sum inside it),
+// a factor 1 + e common to the row, |e| up to about |lse| 2^-24: at scales of 1-3 over a few keys
+// (|lse| ~ 50) that made fp32 dQ 3x torch's error. A sum within that factor of its target is
+// scaled to the target; a sum further off is left as it is. P_sink carries the same factor, which
+// the scaling leaves as e P_sink / (1 - P_sink): where the sink takes more than half of the row,
+// the row is left as it is.
+inline void renormalize_row(float* s, int64_t n, float lse, float sink) {
   if (!std::isfinite(lse)) return;  // a row with no allowed key: P = 0
   // The sum with Kahan's compensation in each lane (a row's P sum to 1 with a few near 1: a plain
   // float sum would add back up to n / 8 roundings of 2^-24), the lanes then added in double.
@@ -217,9 +219,12 @@ inline void renormalize_row(float* s, int64_t n, float lse) {
   double sum = 0;
   for (int64_t i = 0; i < Vec::size(); ++i) sum += static_cast<double>(lanes[i]) - lanes_lost[i];
   for (; c < n; ++c) sum += s[c];
+  const double sink_share = sink == kNegInf ? 0.0 : std::exp(static_cast<double>(sink) - lse);
+  if (!(sink_share <= 0.5)) return;
+  const double target = 1.0 - sink_share;
   const double bound = (std::abs(static_cast<double>(lse)) + static_cast<double>(n) + 4.0) * 0x1p-23;
-  if (sum == 1.0 || std::abs(sum - 1.0) > bound) return;
-  const Vec factor(static_cast<float>(1.0 / sum));
+  if (sum == target || !(std::abs(sum / target - 1.0) <= bound)) return;
+  const Vec factor(static_cast<float>(target / sum));
   at::vec::map([factor](Vec x) { return x * factor; }, s, s, n);
 }
 

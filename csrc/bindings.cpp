@@ -100,7 +100,7 @@ void def_attention_kernels(py::module& m, const std::string& suffix, Forward for
         py::arg("is_causal"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("compute_dmask"),
         py::arg("window") = std::vector<int64_t>{-1, -1}, py::arg("softcap") = 0.0,
         py::arg("alibi_slopes") = py::none(), py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(),
-        py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false);
+        py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false, py::arg("sinks") = py::none());
 }
 
 // _C.direct(n_tensors, *args): whether a public Python function may call its op's C++ function

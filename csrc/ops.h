@@ -38,7 +38,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     bool is_causal, double scale, double dropout_p, const std::optional<at::Tensor>& seed, bool compute_dmask,
     at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta);
+    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta,
+    const std::optional<at::Tensor>& sinks);
 
 // Whether the CPU kernels multiply bf16/fp16 tiles with the CPU's own products of that dtype, not
 // in fp32 on converted copies (cpu_blas.h: native_lowp_products).

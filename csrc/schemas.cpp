@@ -37,8 +37,8 @@ TORCH_LIBRARY(transformer_fast, m) {
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, Tensor? seed, "
         "bool compute_dmask, int[] window=[-1, -1], float softcap=0.0, Tensor? alibi_slopes=None, "
-        "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, int max_q=0, int max_k=0, bool compute_delta=False) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, int max_q=0, int max_k=0, bool compute_delta=False, "
+        "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_forward(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool is_rms) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "

@@ -383,7 +383,8 @@ _backward_plans = Plans(_backward_plan)
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False):
+                       max_q=0, max_k=0, compute_delta=False, sinks=None):
+    """sinks: unused (P follows from lse, which includes them; no row is rescaled here)."""
     seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
     plan = _backward_plans.get((dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                                 compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,

@@ -46,7 +46,7 @@ def _attention_backward(kernel):
 
     def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                            compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None,
-                           cu_seq_k=None, max_q=0, max_k=0, compute_delta=False):
+                           cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None):
         check_seed("attention_backward", seed, dropout_p)
         rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
         if rows == 0 or keys == 0:
@@ -55,7 +55,7 @@ def _attention_backward(kernel):
             return (*(empty_in_rows_of(t, t.shape[-1]).zero_() for t in (q, k, v)), dmask, delta)
         dq, dk, dv, dmask, delta = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                           dropout_p, seed, compute_dmask, tuple(window), softcap, alibi_slopes,
-                                          cu_seq_q, cu_seq_k, max_q, max_k, compute_delta)
+                                          cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, sinks)
         return dq, dk, dv, _empty(q) if dmask is None else dmask, _empty(q) if delta is None else delta
     return attention_backward
 

@@ -78,7 +78,7 @@ class Attention(torch.autograd.Function):
                 dq, dk, dv, dmask, delta = _kernel("attention_backward", backend, q)(
                     dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                     mask_grad, max_q=extras.get("max_q", 0), max_k=extras.get("max_k", 0), compute_delta=sinks_grad,
-                    **shape, **packed)
+                    sinks=sinks, **shape, **packed)
                 if sinks_grad:
                     dsinks = sinks_gradient(delta, lse, sinks, packed["cu_seq_q"] is not None)
         return (None, dq, dk, dv, dmask if mask_grad else None, None, dsinks if sinks_grad else None, None, None,

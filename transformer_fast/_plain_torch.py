@@ -167,7 +167,8 @@ def _sum_groups(t, heads):
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False):
+                       max_q=0, max_k=0, compute_delta=False, sinks=None):
+    """sinks: unused (the gradients follow from lse, which includes them)."""
     if cu_seq_q is not None:
         seed = seed_value(seed)
         dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are

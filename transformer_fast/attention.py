@@ -10,7 +10,7 @@ The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`
         -> (out, lse)
     attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                        dropout_p, seed, compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False)
+                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None)
         -> (dq, dk, dv, dmask, delta)
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
@@ -50,7 +50,9 @@ by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
 dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) contiguous in the
 float mask's dtype (q's, or float32), the gradient of the final scores (so of an additive float
 mask), with the forward's dropout: 0 for disallowed pairs, padded keys and rows with no allowed
-key. The backward needs no sinks (lse includes them); the sinks' gradient,
+key. The backward's P follow from lse, which includes the sinks; the forward's sinks given to the
+backward tell the C++ kernel what its rows' P sum to (1 - exp(sinks[h] - lse_i)), where it corrects
+the rounding of lse in rows whose keys fit one tile. The sinks' gradient,
 -sum_i exp(sinks[h] - lse_i) * delta_i, is formed by the autograd formula (csrc/attention_op.cpp)
 from delta, which is empty unless compute_delta: then delta_i = sum_j p_ij dP_ij (dP = dO V^T, with
 the forward's dropout) in lse's shape and dtype, summed from the kernels' unrounded P and dP. (Its
@@ -92,7 +94,7 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
       window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0,
-      compute_delta=False):
+      compute_delta=False, sinks=None):
     dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(attn_mask, q)) if compute_dmask else q.new_empty(0)
     delta = lse.new_empty(lse.shape) if compute_delta else q.new_empty(0)
     return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
