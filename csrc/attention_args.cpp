@@ -245,15 +245,10 @@ AttentionArgs varlen_args(const at::Tensor& query, const at::Tensor& key, const 
   TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, "max_q and max_k must be >= 0, got ", max_q, " and ", max_k);
   TORCH_CHECK_VALUE(!num_splits.has_value() || *num_splits >= 1, "num_splits must be >= 1 or None, got ",
                     num_splits.value_or(0));
-  // Index tensors in rows of unit stride, as the Triton kernels read them (a copy only where a
-  // view had other strides; a few elements per sequence).
-  const auto unit_stride = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
-    return t.has_value() ? std::optional<at::Tensor>(with_unit_last_stride(*t)) : t;
-  };
-  a.x.cu_seq_q = with_unit_last_stride(cu_seq_q);
-  a.x.cu_seq_k = unit_stride(cu_seq_k);
-  a.x.seqused_k = unit_stride(seqused_k);
-  a.x.block_table = unit_stride(block_table);
+  a.x.cu_seq_q = cu_seq_q;
+  a.x.cu_seq_k = cu_seq_k;
+  a.x.seqused_k = seqused_k;
+  a.x.block_table = block_table;
   a.x.max_q = max_q;
   a.x.max_k = max_k;
   a.x.num_splits = num_splits.value_or(0);

@@ -166,22 +166,23 @@ def _window_keys(window, rows, keys):
     return min(keys, left + 1 + rows + max(right, 0))
 
 
-def _check_unit_strides(**tensors):
-    """The kernels read the sinks and the index tensors' last dim at unit stride. The public
-    functions pass them so (csrc/attention_args.cpp); the op called directly with other strides is
-    refused. Run once per call signature (strides are part of it), when its launches are planned."""
-    for name, t in tensors.items():
-        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"attention (Triton): {name} must have a unit stride along its last dim, got strides "
-                             f"{tuple(t.stride())}; pass {name}.contiguous()")
+def _copies(*tensors):
+    """Which of the tensors the kernels would misread: they read the sinks and the index tensors
+    (cu_seq_q, cu_seq_k, seqused_k, block_table's rows) at unit stride. None where all are readable;
+    the others are copied (a few elements per sequence), as dout or lse in the backward."""
+    copies = tuple(t is not None and t.shape[-1] > 1 and t.stride(-1) != 1 for t in tensors)
+    return copies if any(copies) else None
+
+
+def _copied(copies, *tensors):
+    return tuple(contiguous(t) if copy else t for t, copy in zip(tensors, copies))
 
 
 def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap, alibi_slopes,
                   sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits):
     """attention_forward's launches for one call signature (kernels/_launch.py): the outputs' shapes
     and the forward's (and the split combine's) LaunchPlan."""
-    _check_unit_strides(sinks=sinks, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, seqused_k=seqused_k,
-                        block_table=block_table)
+    copies = _copies(sinks, cu_seq_q, cu_seq_k, seqused_k, block_table)
     packed = cu_seq_q is not None
     if packed:
         layout = 2 if block_table is not None else 1
@@ -232,7 +233,7 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
            splits > 1, packs, *meta.values())
     before_seed = (*q_strides, *k_strides, *v_strides, *out_strides, *lse_strides, *_mask_strides(attn_mask),
                    *_padding_strides(key_padding_mask), *_alibi_strides(alibi_slopes),
-                   0 if block_table is None else block_table.stride(0),
+                   0 if block_table is None else block_table.shape[1] if copies and copies[4] else block_table.stride(0),
                    H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], splits, n_lse,
                    qk_scale, softcap2, float(dropout_p))
     forward = LaunchPlan(grid, (*before_seed, 0, drop_stride, bucket),
@@ -246,7 +247,7 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
                              dict(HEAD_DV=Dv, BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=block_r, HAS_SINKS=sinks is not None,
                                   num_warps=warps, **LAUNCH_OPTIONS))
     return types.SimpleNamespace(Dv=Dv, out_shape=out_shape, lse_shape=lse_shape, splits=splits, n_lse=n_lse,
-                                 forward=forward, combine=combine)
+                                 copies=copies, forward=forward, combine=combine)
 
 
 _forward_plans = Plans(_forward_plan)
@@ -259,6 +260,9 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     plan = _forward_plans.get((q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap,
                                alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
                                num_splits), seed_class(seed))
+    if plan.copies is not None:
+        sinks, cu_seq_q, cu_seq_k, seqused_k, block_table = _copied(plan.copies, sinks, cu_seq_q, cu_seq_k, seqused_k,
+                                                                    block_table)
     if plan.out_shape is None:
         out = new_output_in_rows_of(q, plan.Dv)
     else:
@@ -285,7 +289,6 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
                          max_k=0):
     """What the dK/dV and dQ kernels share: the arguments after their tensors, as a dict of named
     pieces, and the constexprs (`seed` at scalars[seed_at]). See _backward_plan for their use."""
-    _check_unit_strides(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k)
     packed = cu_seq_q is not None
     if packed:
         Tq, H, D = q.shape
@@ -371,7 +374,7 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
                     dict(**meta, STORE_DS=compute_dmask, STORE_PDP=compute_delta, **LAUNCH_OPTIONS),
                     key=(*key, compute_dmask, compute_delta), seed_at=len(dq_scalars) + seed_at)
     return types.SimpleNamespace(packed=packed, dout_copy=dout_copy, lse_copy=not lse.is_contiguous(),
-                                 out_copy=out_copy, delta_shape=delta_shape,
+                                 out_copy=out_copy, index_copies=_copies(cu_seq_q, cu_seq_k), delta_shape=delta_shape,
                                  dmask_shape=(B, H, n_q, n_k) if compute_dmask else None,
                                  dmask_dtype=_dmask_dtype(attn_mask, q),
                                  preprocess=preprocess, dkdv=dkdv_plan(False), dq=dq,
@@ -395,6 +398,8 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         lse = contiguous(lse)
     if plan.out_copy:
         out = contiguous(out)
+    if plan.index_copies is not None:
+        cu_seq_q, cu_seq_k = _copied(plan.index_copies, cu_seq_q, cu_seq_k)
     delta = new_scratch(plan.delta_shape, torch.float32, q.device)
     if plan.packed:
         dq, dk, dv = (new_output(t.shape, t.dtype, t.device) for t in (q, k, v))

@@ -8,7 +8,7 @@ import transformer_fast as tf
 from transformer_fast import reference
 
 from helpers import BACKENDS, LOW_PRECISION, assert_close_to_reference
-from helpers import kernel_device as _device, skip_unavailable_backend  # noqa: F401 (a fixture)
+from helpers import kernel_device as _device, need_backend, skip_unavailable_backend  # noqa: F401 (a fixture)
 from varlen_cases import check_varlen, make_pack, offsets, paged
 
 pytestmark = pytest.mark.usefixtures("skip_unavailable_backend")
@@ -162,20 +162,25 @@ def test_index_tensors_with_any_strides(backend):
 
 
 @pytest.mark.triton
-def test_triton_op_refuses_index_tensors_it_cannot_read():
-    """The op below varlen_attn (which passes unit strides) refuses index tensors and sinks of other
-    strides on the Triton backend rather than reading them wrongly."""
-    need_triton = tf.available_backends()["triton"]
-    if need_triton is not None:
-        pytest.skip(f"triton: {need_triton}")
+def test_triton_op_reads_index_tensors_and_sinks_of_any_strides():
+    """The Triton launchers copy what their kernels read at unit stride (the index tensors and the
+    sinks) where a view has other strides; varlen_attn passes its arguments as they come, and the
+    sinks reach the op contiguous, so the op is called directly here: forward and backward."""
+    need_backend("triton")
     from transformer_fast.kernels import attention as triton_attention
-    q, k, v, cu_q, cu_k = make_pack([3, 4], [3, 4])
-    with pytest.raises(ValueError, match="cu_seq_k must have a unit stride"):
-        triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, cu_seq_q=cu_q,
-                                           cu_seq_k=_strided(cu_k), max_q=4, max_k=4)
-    with pytest.raises(ValueError, match="sinks must have a unit stride"):
-        triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, sinks=_strided(torch.zeros(2)),
-                                           cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=4, max_k=4)
+    q, k, v, cu_q, cu_k = make_pack([3, 0, 4], [3, 2, 4])
+    sinks = torch.randn(2, device=_device())
+    runs = []
+    for prepare in (lambda t: t, _strided):
+        out, lse = triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, window=(-1, 0),
+                                                      sinks=prepare(sinks), cu_seq_q=prepare(cu_q),
+                                                      cu_seq_k=prepare(cu_k), max_q=4, max_k=4)
+        grads = triton_attention.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, None, False, 0.25,
+                                                    0.0, None, False, window=(-1, 0), cu_seq_q=prepare(cu_q),
+                                                    cu_seq_k=prepare(cu_k), max_q=4, max_k=4)
+        runs.append((out, lse, *grads[:3]))
+    for plain, strided in zip(*runs):
+        assert torch.equal(plain, strided)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
