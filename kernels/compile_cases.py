@@ -392,8 +392,9 @@ def linear_attention_cases():
 
 FAMILY_CASES = {"attention": attention_cases, "layer_norm": layer_norm_cases,
                 "linear_attention": linear_attention_cases}
+FAMILIES = tuple(FAMILY_CASES)
 
 
 def compile_cases(family):
-    """The compile cases of a kernel family (a name in kernels.FAMILIES)."""
+    """The compile cases of a kernel family (a name in FAMILIES)."""
     return FAMILY_CASES[family]()

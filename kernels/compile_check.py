@@ -192,7 +192,7 @@ def main(argv=None):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the GPU compiler needs real jit functions")
 
-    from . import FAMILIES
+    from .compile_cases import FAMILIES
 
     tasks = [(family, index, cap)
              for family in args.only or FAMILIES

@@ -1,0 +1,11 @@
+"""transformer_fast beyond one device, over ``torch.distributed`` process groups (gloo, NCCL).
+
+* Context parallelism: each rank holds a shard of the sequence (``shard_sequence``); softmax
+  attention (ring, all-gather, Ulysses) and causal linear attention (state passing) run on the
+  shards and give the one-device result.
+* DTensor sharding rules for every op, so tensor-parallel models run the kernels on local shards.
+* ``context_parallel(group)``: routes the public functions, the modules and the Hugging Face
+  integration to their context-parallel forms.
+
+See docs/distributed.md.
+"""
