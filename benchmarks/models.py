@@ -28,6 +28,7 @@ operations it ran, matched by autograd sequence number).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import statistics
 import time
@@ -74,6 +75,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as exc:
+        if importlib.util.find_spec("transformers") is not None:
+            raise  # installed, but its import fails: an error to report, not a model to skip
         raise Skip(f"transformers is not installed ({exc}); pip install transformers") from exc
     from transformer_fast.integrations import huggingface
 

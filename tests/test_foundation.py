@@ -50,6 +50,91 @@ def test_non_editable_install_has_no_top_level_kernels(tmp_path):
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _from_repo_root(code, tmp_path, pythonpath=None):
+    """Runs `python -c code` from the repository root, which Python then puts first on sys.path
+    (as `python -m pytest` and `python -m benchmarks.run` do)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_an_installed_top_level_kernels_package_wins_over_the_folder(tmp_path):
+    """From the repository root, `import kernels` gets whatever is installed under that name (here a
+    stand-in placed after the root on sys.path), never the kernels/ folder; with nothing installed it
+    fails as a missing module does. transformer_fast.kernels is unaffected."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
+    (site / "kernels" / "extra.py").write_text("VALUE = 7\n")
+    code = ("import sys, kernels, kernels.extra, transformer_fast.kernels.attention as ours\n"
+            "assert sys.path[0] in ('', '.') or sys.path[0] == __import__('os').getcwd(), sys.path[:2]\n"
+            "assert kernels.WHO == 'installed' and kernels.extra.VALUE == 7, kernels.__file__\n"
+            "assert ours.__name__ == 'transformer_fast.kernels.attention'\n"
+            "print('OK')")
+    result = _from_repo_root(code, tmp_path, pythonpath=site)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    code = ("import importlib.util, sys\n"
+            "sys.path[:] = [p for p in sys.path if 'site-packages' not in p or 'transformer_fast' in p]\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as exc:\n    assert exc.name == 'kernels', exc\n"
+            "    assert 'kernels' not in sys.modules\n    print('MISSING')\n"
+            "else:\n    print('FOUND', kernels.__file__)")
+    result = _from_repo_root(code, tmp_path)
+    assert result.returncode == 0 and "MISSING" in result.stdout, (result.stdout, result.stderr[-3000:])
+
+
+def test_transformers_and_the_integration_import_from_the_repository_root(tmp_path):
+    """transformers >= 5.25 imports Hugging Face's `kernels` package; from the repository root the
+    kernels/ folder shadowed it (ImportError: cannot import name 'CUDAProperties'). Checked in a
+    process started there and in this one with the root first on sys.path."""
+    pytest.importorskip("transformers")
+    code = ("import transformers, transformers.integrations.hub_kernels\n"
+            "from transformer_fast.integrations import huggingface\n"
+            "assert huggingface.register() == 'transformer_fast'\n"
+            "print('OK')")
+    result = _from_repo_root(code, tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+    saved = {name: mod for name, mod in sys.modules.items() if name == "kernels" or name.startswith("kernels.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, REPO)
+    try:
+        try:
+            import kernels
+        except ModuleNotFoundError:  # no package of that name installed: nothing shadowed it either
+            pass
+        else:
+            assert not os.path.realpath(kernels.__file__).startswith(os.path.join(REPO, "kernels")), kernels.__file__
+        from transformer_fast.integrations import huggingface
+        assert huggingface.register() == "transformer_fast"
+    finally:
+        sys.path.remove(REPO)
+        for name in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_integration_names_the_real_import_error(tmp_path):
+    """An installed transformers whose import fails is not reported as missing: the ImportError says
+    what failed and chains the original error."""
+    site = tmp_path / "site"
+    (site / "transformers").mkdir(parents=True)
+    (site / "transformers" / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'CUDAProperties' from 'kernels'\")\n")
+    code = ("from transformer_fast.integrations import huggingface\n"
+            "try:\n    huggingface.register()\nexcept ImportError as exc:\n"
+            "    assert 'installed, but importing it failed' in str(exc), exc\n"
+            "    assert 'CUDAProperties' in str(exc) and isinstance(exc.__cause__, ImportError), exc\n"
+            "    print('OK')\n")
+    result = _from_repo_root(code, tmp_path, pythonpath=site)
+    assert result.returncode == 0 and "OK" in result.stdout, (result.stdout, result.stderr[-3000:])
+
+
 def test_loaded_extension_is_newer_than_its_sources(tmp_path):
     """The ops under test are the code in csrc/: an in-place build not redone after an edit would
     test the old code (the JIT build is rebuilt by ninja, so it passes by construction)."""

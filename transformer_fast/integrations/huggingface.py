@@ -61,6 +61,7 @@ docs/huggingface_families.md lists every family transformers ships and its statu
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import re
 import sys
@@ -426,15 +427,23 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+def _transformers_import_error(exc):
+    """The ImportError for a failed ``import transformers``: "not installed" only when it is not."""
+    if importlib.util.find_spec("transformers") is None:
+        return ImportError("transformer_fast.integrations.huggingface needs the `transformers` package "
+                           "(pip install transformers)")
+    return ImportError(f"transformer_fast.integrations.huggingface: transformers is installed, but importing it "
+                       f"failed: {type(exc).__name__}: {exc}")
+
+
 def register(name: str = NAME):
     """Registers ``attention_forward`` (and ``build_attention_mask``) with transformers under
     ``name``, so that ``attn_implementation=name`` selects it, and makes building a model that
     ``supports_model`` rejects with it raise ValueError. Safe to call more than once."""
     try:
         from transformers import AttentionInterface
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("transformer_fast.integrations.huggingface needs the `transformers` package "
-                          "(pip install transformers)") from exc
+    except ImportError as exc:
+        raise _transformers_import_error(exc) from exc
     AttentionInterface.register(name, attention_forward)
     if not _install_construction_check(name):
         warnings.warn(f"this transformers version offers no place to check models when they are built: {name!r} "
