@@ -259,3 +259,67 @@ def test_matches_dense_attention_on_equal_lengths():
                                             window_size=(3, 0), enable_gqa=True)
     assert_close_to_reference(out, dense.transpose(1, 2).reshape(21, 4, 16).double(),
                               dense.transpose(1, 2).reshape(21, 4, 16), factor=1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("q_offsets", [[0, 3, 7], [0]], ids=str)
+def test_transforms_keep_the_rows_after_the_last_sequence(q_offsets, with_sinks):
+    """Under jvp, forward AD, vmap, torch.func.grad and create_graph=True (the differentiable
+    form), packed rows after the last sequence come out as eagerly: out 0 (0 tangent, 0 gradient),
+    lse the sink or +inf. The eager result is float64 plain torch, itself checked above."""
+    from torch.func import grad, jvp, vmap
+    import torch.autograd.forward_ad as fwAD
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, 2, 8, generator=g, dtype=torch.float64) for n in (9, 11, 11))
+    cu_q = torch.tensor(q_offsets, dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9][:len(q_offsets)], dtype=torch.int32)
+    sinks = torch.randn(2, generator=g, dtype=torch.float64) if with_sinks else None
+    tangents = tuple(torch.randn(t.shape, generator=g, dtype=torch.float64) for t in (q, k, v))
+    tail = slice(q_offsets[-1], None)
+
+    def attention(q, k, v):
+        return tf.varlen_attn(q, k, v, cu_q, cu_k, 4, 5, return_aux=tf.AuxRequest(lse=True), sinks=sinks)
+
+    def reference_loss(q, k, v):  # the reference returns the sequences' rows only
+        return reference.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks).square().sum()
+
+    out, lse = attention(q, k, v)
+    assert out.shape == (9, 2, 8) and not out[tail].any()
+    assert torch.equal(lse[:, tail], (sinks[:, None] if with_sinks else torch.full((2, 1), torch.inf)).expand(2, 9 - q_offsets[-1]))
+
+    (out_j, lse_j), (tangent, _) = jvp(attention, (q, k, v), tangents)
+    torch.testing.assert_close(out_j, out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse_j, lse, atol=1e-12, rtol=0)
+    assert not tangent[tail].any()
+    if q_offsets[-1]:
+        expected = jvp(lambda *a: reference.varlen_attention(*a, cu_q, cu_k, sinks=sinks), (q, k, v), tangents)[1]
+        torch.testing.assert_close(tangent[:q_offsets[-1]], expected, atol=1e-10, rtol=0)
+    with fwAD.dual_level():
+        dual_out = attention(*(fwAD.make_dual(t, d) for t, d in zip((q, k, v), tangents)))[0]
+        dual_tangent = fwAD.unpack_dual(dual_out).tangent  # None: no sequence, the output depends on nothing
+        torch.testing.assert_close(torch.zeros_like(tangent) if dual_tangent is None else dual_tangent, tangent,
+                                   atol=1e-12, rtol=0)
+
+    batched_out, batched_lse = vmap(attention, in_dims=(0, None, None))(torch.stack([q, 2 * q]), k, v)
+    torch.testing.assert_close(batched_out[0], out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(batched_lse[0], lse, atol=1e-12, rtol=0)
+    torch.testing.assert_close(batched_out[1], attention(2 * q, k, v)[0], atol=1e-12, rtol=0)
+
+    def loss(q, k, v):
+        return attention(q, k, v)[0].square().sum()
+    grads = grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    firsts = torch.autograd.grad(loss(*leaves), leaves, create_graph=True)
+    if not q_offsets[-1]:  # no sequence: the loss is a constant 0
+        assert not any(f.any() for f in firsts) and not any(f.any() for f in grads)
+        return
+    seconds = torch.autograd.grad(sum(f.sum() for f in firsts), leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_firsts = torch.autograd.grad(reference_loss(*ref_leaves), ref_leaves, create_graph=True, allow_unused=True,
+                                     materialize_grads=True)
+    ref_seconds = torch.autograd.grad(sum(f.sum() for f in ref_firsts), ref_leaves, allow_unused=True,
+                                      materialize_grads=True)
+    for got, first, second, ref_first, ref_second in zip(grads, firsts, seconds, ref_firsts, ref_seconds):
+        torch.testing.assert_close(got, ref_first, atol=1e-10, rtol=0)
+        torch.testing.assert_close(first, ref_first, atol=1e-10, rtol=0)
+        torch.testing.assert_close(second, ref_second, atol=1e-9, rtol=0)

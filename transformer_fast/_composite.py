@@ -32,8 +32,14 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
                                        slopes, sinks)
             outs.append(ob[0].transpose(0, 1))
             lses.append(lb[0])
-        if not outs:
-            return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=c)
+        # Rows after the last sequence belong to none: out 0, lse the sink or +inf (the contract's
+        # row with no allowed key), as the kernels leave them.
+        H, rest = q.shape[1], q.shape[0] - int(cu_seq_q[-1])
+        outs.append(q.new_zeros(rest, H, v.shape[-1]))
+        if sinks is None:
+            lses.append(q.new_full((H, rest), float("inf"), dtype=c))
+        else:
+            lses.append(sinks.detach().to(c)[:, None].expand(H, rest))
         return torch.cat(outs), torch.cat(lses, dim=1)
     group = q.shape[1] // k.shape[1]
     vc = v.to(c).repeat_interleave(group, dim=1) if group > 1 else v.to(c)

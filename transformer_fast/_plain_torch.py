@@ -142,7 +142,10 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     if cu_seq_q is not None:  # sequence b drops with seed + b
         seed = seed_value(seed)
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        # rows of no sequence (after the last) have no allowed key: lse the sink or +inf
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=c, device=q.device)
+        if sinks is not None:
+            lse[:] = sinks.to(c)[:, None]
         for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
                                                           alibi_slopes, max_q, max_k):
             ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
