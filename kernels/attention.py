@@ -201,7 +201,9 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
             k_strides = (0, k.stride(1), k.stride(0))
             v_strides = (0, v.stride(1), v.stride(0))
             n_k = k.shape[0]
-        n_q, rows, keys = Tq, int(max_q), int(max_k)
+        # No sequence holds more than the pack's rows (a paged table row: its pages): max_q and
+        # max_k beyond that would only grow the grid and overflow its int32 sizes.
+        n_q, rows, keys = Tq, min(int(max_q), Tq), min(int(max_k), n_k)
         out_shape, lse_shape = (Tq, H, Dv), (H, Tq)
         out_strides, lse_strides = (0, 1, H), (0, Tq)  # out's in rows of Dv elements
         n_lse, drop_stride = H * Tq, keys
@@ -294,7 +296,7 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
         Tq, H, D = q.shape
         Tk, Hk, _ = k.shape
         B = cu_seq_q.shape[0] - 1
-        n_q, n_k, rows, keys = Tq, Tk, int(max_q), int(max_k)
+        n_q, n_k, rows, keys = Tq, Tk, min(int(max_q), Tq), min(int(max_k), Tk)  # bounded as the forward's
         strides = ((0, q.stride(1), q.stride(0)), (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0)),
                    (0, dout.stride(1), dout.stride(0)), (0, Tq))
     else:

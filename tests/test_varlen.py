@@ -323,3 +323,20 @@ def test_transforms_keep_the_rows_after_the_last_sequence(q_offsets, with_sinks)
         torch.testing.assert_close(got, ref_first, atol=1e-10, rtol=0)
         torch.testing.assert_close(first, ref_first, atol=1e-10, rtol=0)
         torch.testing.assert_close(second, ref_second, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_lengths_beyond_the_pack(backend):
+    """max_q and max_k are bounds: values past what the pack holds give the result of the exact
+    ones, forward and backward. (The Triton launcher sized its grid by them: 2**40 overflowed the
+    interpreter's int32 grid, and its run time grew with the value.)"""
+    q, k, v, cu_q, cu_k = make_pack([3, 5], [4, 6], D=8)
+    results = []
+    for max_q, max_k in ((5, 6), (50_000, 50_000), (2**40, 2**40)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = tf.varlen_attn(*inputs, cu_q, cu_k, max_q, max_k, window_size=(2, 0), backend=backend)
+        out.square().sum().backward()
+        results.append((out, *(t.grad for t in inputs)))
+    for other in results[1:]:
+        for got, expected in zip(other, results[0]):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
