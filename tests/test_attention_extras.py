@@ -212,6 +212,7 @@ def test_sinks_gradient_in_the_sinks_dtype():
     (dict(window_size=(3,)), TypeError, "window_size"),
     (dict(window_size=(2.5, 0)), TypeError, "window_size"),
     (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(window_size=(2**64, 0)), ValueError, "window_size entries must fit in int64"),
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
     (dict(softcap="1"), TypeError, "softcap"),

@@ -37,6 +37,16 @@ def check_same(name, t, ref_name, ref):
         raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}; they must match")
 
 
+INT64_RANGE = (-2**63, 2**63 - 1)  # what the ops' int arguments hold
+
+
+def check_int64(name, value, what=None):
+    """An int argument the ops take as int64 must fit it (pybind would refuse it with its
+    signature list, naming no argument)."""
+    if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+        raise ValueError(f"{name} must fit in int64, [-2**63, 2**63 - 1], got {what if what is not None else value}")
+
+
 def real_scalar(name, value, optional=True):
     """Any real scalar (a Python or NumPy number, a one-element tensor) as a float; None passes
     where ``optional``."""

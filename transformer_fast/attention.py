@@ -71,7 +71,7 @@ from . import _backends, _build, _explicit
 from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
 from ._layout import empty_in_rows_of
 from ._plain_torch import dmask_dtype
-from ._validation import check_bools, real_scalar
+from ._validation import check_bools, check_int64, real_scalar
 
 _C, _ = _build.load()
 
@@ -131,6 +131,8 @@ def _window(window_size, allow_none=True):
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for an unbounded side, got "
                         f"{window_size!r}")
+    for w in window_size:
+        check_int64("window_size entries", w, tuple(window_size))
     return int(window_size[0]), int(window_size[1])
 
 
@@ -231,8 +233,11 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     for name, n in (("max_q", max_q), ("max_k", max_k)):
         if not isinstance(n, numbers.Integral) or isinstance(n, bool):
             raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool)):
-        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        check_int64(name, n)
+    if num_splits is not None:
+        if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
+            raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        check_int64("num_splits", num_splits)
     if type(enable_gqa) is not bool:
         check_bools(enable_gqa=enable_gqa)
     return_lse = False
