@@ -5,7 +5,7 @@ arguments of a kernel to its signature, works out each one's specialisation (a t
 and 16-byte alignment; an int's width, whether it is 1, whether it divides by 16), turns that
 into a cache key, finds the compiled kernel and builds the launch hooks' metadata, then launches.
 On a 2-core CPU, with Triton 3.6, that cost 44 us more per tiny attention forward than a direct
-launch of the same kernel (`benchmarks/tools/launch_overhead_triton.py`).
+launch of the same kernel (measured with kernels launched into `tests/launch/recording_driver.py`).
 
 `CompiledLaunch` keeps, per call pattern, the compiled kernel Triton chose and launches it
 directly on later calls: the first call for a pattern goes through `JITFunction.run` (which
@@ -43,8 +43,8 @@ the device's current stream and calls cuLaunchKernel. Triton's launcher instead 
 for its address through Python, and the driver to check it, on every launch. Packed launches cover
 a CUDA driver's kernels with one CTA per cluster, no launch attributes (PDL, cooperative grids), no
 scratch memory and scalar parameters of int, uint and fp32 types; anything else launches as before.
-Checked against Triton's own arguments without a GPU (`benchmarks/tools/launch_overhead_triton.py
---check`, through a recording CUDA driver library) and against Triton's results on an H100
+Checked against Triton's own arguments without a GPU (`tests/launch/check_launches.py`,
+through a recording CUDA driver library) and against Triton's results on an H100
 (tests/test_direct_launch.py's gpu tests).
 
 With the same setting, the attention and norm ops' CUDA kernels are native calls
@@ -225,7 +225,7 @@ class TunedLaunch:
 
     Triton's autotuner builds its own key on every call, looking at each argument for a dtype
     (about 70 arguments for the attention kernels): on an H200's host that took more time than the
-    launch that follows (benchmarks/results/cuda-h200-host-2026-11-26.txt). Here the first call for
+    launch that follows (git show e4a4db1:benchmarks/results/cuda-h200-host-2026-11-26.txt). Here the first call for
     a key goes through the autotuner (which times the candidates or reads its disk cache), and
     later calls launch the chosen config through a CompiledLaunch of the jit function.
     `key` must determine the autotuner's key (its values and the tensors' dtypes); a finer key only

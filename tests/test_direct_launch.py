@@ -25,10 +25,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from transformer_fast.kernels._launch import CompiledLaunch, LaunchPlan, _pack_params  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `benchmarks` is run from the repository root, not installed
-from benchmarks.tools.gpu_ops import public_ops  # noqa: E402
-from benchmarks.tools.recording_driver import STREAM, library, library_launches, recording_driver  # noqa: E402
+TESTS = Path(__file__).resolve().parent  # on sys.path (conftest.py): the `launch` helpers
+from launch.gpu_ops import public_ops  # noqa: E402
+from launch.recording_driver import STREAM, library, library_launches, recording_driver  # noqa: E402
 
 
 def scaled_copy(X, Y, stride_x, stride_y, n, alpha, flag, BLOCK: tl.constexpr, SCALE: tl.constexpr):
@@ -164,7 +163,7 @@ def test_package_launchers_launch_directly_what_triton_would():
     run, the same launches; and launched through a plan made by a twin call (the same signature,
     other tensors and dropout seed), what a plan of their own would launch. A process of its own:
     the kernels must be jit functions, which they are not under this process's TRITON_INTERPRET=1."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.tools.launch_overhead_triton", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "launch.check_launches"], cwd=TESTS,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": same") == 44, result.stdout  # 22 direct, 22 packed
@@ -177,7 +176,7 @@ def test_native_calls_replay_what_the_python_kernels_launch():
     results, running no Python; calls that differ from a recorded one only in shared addresses or
     the seed's class run the Python kernel; its ValueError reaches the caller. A process of its
     own, as above."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "launch.check_native_calls"], cwd=TESTS,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("native: same") == 16 and result.stdout.count("Python kernel") == 2, result.stdout
@@ -404,14 +403,14 @@ def test_gpu_native_calls_give_the_python_kernels_results(tmp_path):
     """On a GPU, in two processes, native calls on and off (TRANSFORMER_FAST_NATIVE_LAUNCH): attention
     (with dropout) and the norms, forward and backward through the public functions, bitwise the
     same; with them on, every call of the attention and norm ops made from a recipe, on a side stream
-    and in a replayed CUDA graph too (benchmarks/tools/native_calls_triton.gpu_results)."""
+    and in a replayed CUDA graph too (tests/launch/check_native_calls.gpu_results)."""
     saved = {}
     for native in ("1", "0"):
         path = tmp_path / f"native_{native}.pt"
         env = {**os.environ, "TRANSFORMER_FAST_NATIVE_LAUNCH": native, "TRANSFORMER_FAST_TILE": "0"}
         env.pop("TRITON_INTERPRET", None)
-        result = subprocess.run([sys.executable, "-m", "benchmarks.tools.native_calls_triton", "--gpu-results",
-                                 str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        result = subprocess.run([sys.executable, "-m", "launch.check_native_calls", "--gpu-results",
+                                 str(path)], cwd=TESTS, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
         saved[native] = torch.load(path)
     on, off = saved["1"], saved["0"]

@@ -1,7 +1,7 @@
 """transformer_fast/_native_calls.recipe: what a recorded call becomes, and every call it must
 leave to the Python kernel (anything a recipe cannot replay). The recipes' replay against the
 Python kernels, compiled kernels and launches included, is checked by
-benchmarks/tools/native_calls_triton.py --check (tests/test_direct_launch.py)."""
+tests/launch/check_native_calls.py (run by tests/test_direct_launch.py)."""
 import types
 
 import torch

@@ -95,7 +95,7 @@ def recipe(rec, args, results, seed):
 def setup(kernels, namespace="transformer_fast", dispatch_key="CUDA"):
     """Makes the ops in `kernels` ({name: Python kernel}) native calls, registered as their kernels
     for `dispatch_key`; the tests and tools make twin ops of another `namespace` native calls for
-    the CPU (benchmarks/tools/native_calls_triton.py)."""
+    the CPU (tests/launch/check_native_calls.py)."""
     _kernels.update(kernels)
     if clear not in _launch._forget_hooks:
         _launch._forget_hooks.append(clear)

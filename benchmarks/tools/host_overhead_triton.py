@@ -6,8 +6,7 @@ Every Triton kernel launch is replaced by a no-op, and the public functions run 
 tensors under TRITON_INTERPRET=1 (one thread). What is left is what a call costs on the host
 before and around its launches: argument checks, the dispatch, the launchers' block-size choice,
 output allocation and the autograd plumbing. Triton's own launch path comes on top:
-`launch_overhead_triton.py` measures the op kernels with it (kernels compiled for a GPU, launches
-recorded), `profile_host_gpu.py` the whole on a GPU.
+`profile_host_gpu.py` measures the whole on a GPU.
 Minimum over 7 runs of 100-300 calls each."""
 import os
 

@@ -5,8 +5,8 @@ With it active, `kernel[grid](...)` on CPU tensors runs all of Triton's host sid
 launcher's arguments) and ends by appending the launcher's arguments to `launches`: what a call
 costs on the host apart from the driver's own launch, and exactly what would be launched, on a
 machine without a GPU. The package's kernels must be imported without TRITON_INTERPRET (they
-are interpreter objects under it). Used by `launch_overhead_triton.py` and
-tests/test_direct_launch.py.
+are interpreter objects under it). Used by check_launches.py,
+check_native_calls.py and tests/test_direct_launch.py.
 
 Packed launches (kernels/_launch.py) call the CUDA driver library itself: this driver names a
 library of its own (`recording_libcuda.c`, built with the system's C compiler against Triton's

@@ -1,9 +1,10 @@
-"""Native calls (csrc/native_calls.cpp) against the Python kernels they replay, without a GPU.
+"""Checks, without a GPU, that native calls (csrc/native_calls.cpp) replay the Python kernels they
+were recorded from.
 
-    python -m benchmarks.tools.native_calls_triton --check
-    python -m benchmarks.tools.native_calls_triton [--rounds 7] [--calls 200]
+    python -m launch.check_native_calls                    (from tests/; tests/test_direct_launch.py runs it)
+    python -m launch.check_native_calls --gpu-results PATH  (on a GPU, for the GPU test)
 
-As launch_overhead_triton.py does, runs the ops' CUDA kernels on small CPU tensors with the kernels
+As check_launches.py does, runs the ops' CUDA kernels on small CPU tensors with the kernels
 compiled for sm_90 and launched into the recording CUDA library (recording_driver.py), packed
 launches on. There being no CUDA here, the native calls are the CPU kernels of twin ops (the same
 schemas in a namespace of their own), called through torch.ops as the CUDA key's are on a GPU:
@@ -11,39 +12,26 @@ the same C++ kernel, dispatcher and Python fallback. Each case makes two calls o
 same signature but other tensors (and another dropout seed): the native call records its recipe
 from the first call's Python kernel, then makes the second call from the recipe.
 
---check compares that second call with the Python kernel's own call on the same arguments: the
-same launches (kernel, grid, block, shared memory, stream, and every parameter's bytes, where an
+That second call is compared with the Python kernel's own call on the same arguments: the same
+launches (kernel, grid, block, shared memory, stream, and every parameter's bytes, where an
 address of one of the call's new tensors may differ only as the tensors do: a result's by the same
 result and offset, a working tensor's consistently), results of the same dtype, shape, strides,
 storage offset and contents (new outputs NaN-filled: TRANSFORMER_FAST_POISON=1; no kernel runs
-here), and no Python kernel run; then that calls which differ from a recorded one only in what the
+here), and no Python kernel run; then calls which differ from a recorded one only in what the
 native signature adds to the Python plans' (which tensors share an address, the dropout seed's
-class) run the Python kernel, and that a Python kernel's ValueError reaches the caller. Exits 1 on
-a difference; tests/test_direct_launch.py runs it.
-
---decoding times decoding calls whose key count is new each call (a plan made each time, as with a
-cache that grows every step) and repeats (measure_decoding).
+class) must run the Python kernel, and a Python kernel's ValueError must reach the caller. Exits 1
+on a difference.
 
 --gpu-results PATH (on a GPU) saves what gpu_results computes, for the GPU test's comparison of a
-process with native calls and one without (tests/test_direct_launch.py).
-
-Without --check, the host time per call of each case's second call, fastest round of each: the
-Python kernel (the CUDA key's kernel without native calls, packed launches on) called directly;
-the same behind the dispatcher (a twin op whose CPU kernel it is: what a call costs on a GPU
-without native calls); the native call (a twin op whose CPU kernel it is). The last two are called
-through torch.ops from Python, which parses the arguments; a model's calls come from C++ (the
-public ops' composite and autograd kernels) and do not pay that.
-"""
+process with native calls and one without (tests/test_direct_launch.py)."""
 import argparse
 import contextlib
 import os
 import struct
 import sys
-import time
 
-from benchmarks.tools.launch_overhead_triton import (_drop_compiled, _forget_plans, _per_call_us,  # noqa: I100
-                                                     _set_direct)
-from benchmarks.tools.recording_driver import launches, library, library_launches, recording_driver
+from launch.check_launches import _drop_compiled, _forget_plans, _set_direct  # noqa: I100
+from launch.recording_driver import launches, library, library_launches, recording_driver
 
 import torch  # noqa: E402, I100
 
@@ -176,19 +164,16 @@ def _environment(values):
 
 
 _NATIVE_NAMESPACE = "transformer_fast_native"  # twin ops whose CPU kernels are native calls
-_PYTHON_NAMESPACE = "transformer_fast_python"  # twin ops whose CPU kernels are the Python kernels
 
 
-def _twins(namespace, kernels, python_kernels):
-    """The Library holding a twin of each op of `kernels` in `namespace` (the same schema), with
-    the Python kernels as their CPU kernels where `python_kernels`, and {op: its twin}."""
+def _twins(namespace, kernels):
+    """The Library holding a twin of each op of `kernels` in `namespace` (the same schema), and
+    {op: its twin}."""
     library = torch.library.Library(namespace, "DEF")
-    for op, kernel in kernels.items():
+    for op in kernels:
         # the printed schema writes int[] defaults as one int: [-1, -1] prints as -1
         schema = str(getattr(torch.ops.transformer_fast, op).default._schema).split("::", 1)[1]
         library.define(schema.replace("int[] window=-1", "int[] window=[-1, -1]"))
-        if python_kernels:
-            library.impl(op, kernel, "CPU")
     return library, {op: getattr(getattr(torch.ops, namespace), op) for op in kernels}
 
 
@@ -198,7 +183,7 @@ def _setup():
     from transformer_fast import _device_kernels, _native_calls
 
     kernels = {name: _device_kernels.op_kernel(name, "triton", "cuda") for name in _native_calls.OPS}
-    library, native = _twins(_NATIVE_NAMESPACE, kernels, python_kernels=False)
+    library, native = _twins(_NATIVE_NAMESPACE, kernels)
     _native_calls.setup(kernels, namespace=_NATIVE_NAMESPACE, dispatch_key="CPU")
     return kernels, native, library
 
@@ -360,67 +345,13 @@ def check():
     return failures + check_signatures(native)
 
 
-def measure(rounds, n):
-    kernels, native, _native_library = _setup()
-    _python_library, dispatched = _twins(_PYTHON_NAMESPACE, kernels, python_kernels=True)
-    lib = library()
-    print(f"{'op kernel (CUDA key), host us per call':<50} {'Python':>9} {'+ disp.':>9} {'native':>9}")
-    for name, (op, make) in _cases().items():
-        with _environment(_CASE_ENV.get(name, {})):
-            args = _prepare(native[op], make)
-            calls = {"Python": lambda: kernels[op](*args), "dispatched": lambda: dispatched[op](*args),
-                     "native": lambda: native[op](*args)}
-            best = dict.fromkeys(calls, float("inf"))
-            for _ in range(rounds):
-                for mode, call in calls.items():
-                    best[mode] = min(best[mode], _per_call_us(call, n))
-                    launches.clear()
-                    lib.recording_clear()
-        print(f"{name:<50} {best['Python']:6.1f} us {best['dispatched']:6.1f} us {best['native']:6.1f} us")
-
-
-def measure_decoding(swap=False):
-    """Host time per decoding call (one query row, 8 heads over 2 key heads, D 64) whose key count
-    was not seen before (a cache that grows every step: a new plan each call) and whose key count
-    repeats, the native call against the Python kernel behind the dispatcher. Every count of the
-    range warmed up first at an even count (compiled kernels and tiles for each of its length
-    buckets); the new counts are odd, half of them (101-599 or 601-1099, `swap` exchanges them) for
-    each path."""
-    kernels, native, _native_library = _setup()
-    _python_library, dispatched = _twins(_PYTHON_NAMESPACE, kernels, python_kernels=True)
-    _set_direct(True, native=True)
-    q, cache = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 1200, 64)
-
-    def args(n):
-        k = cache[:, :, :n].contiguous()
-        return q, k, k, None, None, False, 0.125, 0.0, 0
-
-    warm = [args(n) for n in range(100, 1100, 2)]
-    for a in warm:
-        for op in (native, dispatched):
-            op["attention_forward"](*a)
-            op["attention_forward"](*a)
-    halves = [[args(n) for n in range(101, 601, 2)], [args(n) for n in range(601, 1101, 2)]]
-    if swap:
-        halves.reverse()
-    for (name, op), new in zip((("native", native), ("Python + disp.", dispatched)), halves):
-        start = time.perf_counter()
-        for a in new:
-            op["attention_forward"](*a)
-        fresh = (time.perf_counter() - start) / len(new) * 1e6
-        repeated = _per_call_us(lambda: op["attention_forward"](*warm[100]), 500)
-        print(f"decoding attention forward, {name:<15} new key count {fresh:6.1f} us, repeated {repeated:6.1f} us")
-        launches.clear()
-        library().recording_clear()
-
-
 def gpu_results(path):
     """On a GPU: the public functions of gpu_ops.public_ops five times (made from recipes from the
     fourth on, where native calls are on), then an attention forward on a side stream and one
     captured in a CUDA graph and replayed; saved to `path`: the last time's results, the side
     stream's and the graph's, and per op the recipes held and the calls made from one in the last
     time. The GPU test compares two processes' files, native calls on and off."""
-    from benchmarks.tools.gpu_ops import public_ops
+    from launch.gpu_ops import public_ops
     import transformer_fast as tf
     from transformer_fast import _build, _native_calls
 
@@ -451,28 +382,16 @@ def gpu_results(path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--gpu-results", metavar="PATH", help="on a GPU: save the results of gpu_results to PATH")
-    parser.add_argument("--decoding", choices=["native-first", "python-first"],
-                        help="time decoding calls with new and repeated key counts (measure_decoding)")
     args = parser.parse_args(argv)
     if args.gpu_results:
         gpu_results(args.gpu_results)
         return 0
     torch.set_num_threads(1)
-    if args.check:  # new outputs NaN-filled, so that results can be compared (set before the package loads)
-        os.environ["TRANSFORMER_FAST_POISON"] = "1"
+    os.environ["TRANSFORMER_FAST_POISON"] = "1"  # new outputs NaN-filled, so that results can be compared
     with recording_driver():
         try:
-            if args.check:
-                return 1 if check() else 0
-            if args.decoding:
-                measure_decoding(swap=args.decoding == "python-first")
-                return 0
-            measure(args.rounds, args.calls)
-            return 0
+            return 1 if check() else 0
         finally:  # drop the compiled kernels (and the recipes) while the driver that loaded them is active
             _drop_compiled()
 

@@ -1,5 +1,5 @@
 """The public functions on a GPU, for the launch tests (tests/test_direct_launch.py) and
-native_calls_triton.py: attention (causal, and with dropout; forward and backward), LayerNorm with
+check_native_calls.py: attention (causal, and with dropout; forward and backward), LayerNorm with
 a residual, RMSNorm (forward and backward) and causal linear attention."""
 import torch
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks in one call of a few minutes, each stage cut at a shared deadline, run from the
-# repository root on a CUDA machine with torch and Triton installed (no package registry needed):
+# The GPU checks in order of priority within one deadline: each stage is cut where the deadline
+# falls, so that the most important results come first. Run from the repository root on a CUDA
+# machine with torch and Triton installed (no package registry needed):
 #
-#   bash benchmarks/tools/gpu_lease.sh [STAGE...]        (default: every stage, in this order)
+#   bash benchmarks/tools/gpu_checks_in_order.sh [STAGE...]   (default: every stage, in this order)
 #
 #   install    build the C++ extension (CUDA kernels for the GPU present, TORCH_CUDA_ARCH_LIST) in place
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
@@ -31,22 +32,22 @@
 #   kernels    device time per kernel of one forward+backward, ours and torch's (tools/profile_attention_gpu)
 #   ncu        Nsight Compute on one forward+backward at D=64, N=4096, ours and torch's kernels
 #   direct     the direct-launch test on the GPU (bitwise Triton's results); where it fails, the
-#              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the lease still measures
+#              remaining stages run with TRANSFORMER_FAST_DIRECT_LAUNCH=0, so the run still measures
 #   host_direct the tiny rows again with TRANSFORMER_FAST_NATIVE_LAUNCH=0: what packed launches and
 #              native calls save
 #   host_run   the tiny rows again with TRANSFORMER_FAST_DIRECT_LAUNCH=0 (every launch through
 #              Triton's JITFunction.run): what the direct launches (kernels/_launch.py) save
 #   grids      the full grids of the gpu tests, in what time is left
 #
-# `python -m benchmarks.run --only gpu` is the complete run; this is its order of priority for a
-# machine lent for minutes. Logs go to $OUT (default /tmp/gpu_lease); result files to
-# $OUT/results; both are packed into $OUT/results.tar after each stage, so that what finished comes
-# back when a later stage is cut (and when a lent machine returns only a few files). DEADLINE
-# (seconds, default 570) bounds the whole call; TESTS_K replaces the tests stage's -k expression,
-# HOST_ARGS adds options to the host stage. Where the tree was copied without its own .git (a lent
-# machine), set TRANSFORMER_FAST_GIT_COMMIT to the commit it holds, for the result files.
+# `python -m benchmarks.run --only gpu` is the complete run; this is its order of priority when
+# there is time for only part of it. Logs go to $OUT (default /tmp/gpu_checks); result files to
+# $OUT/results; both are packed into $OUT/results.tar after each stage, so that what finished is
+# kept when a later stage is cut (and can be copied back as one file). DEADLINE (seconds, default
+# 570) bounds the whole call; TESTS_K replaces the tests stage's -k expression, HOST_ARGS adds
+# options to the host stage. Where the tree was copied without its own .git, set
+# TRANSFORMER_FAST_GIT_COMMIT to the commit it holds, for the result files.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_lease}
+OUT=${OUT:-/tmp/gpu_checks}
 DEADLINE=${DEADLINE:-570}
 mkdir -p "$OUT/results"
 exec > >(tee -a "$OUT/main.log") 2>&1

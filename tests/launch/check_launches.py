@@ -1,40 +1,32 @@
-"""Host time per call of the Triton ops' CUDA kernels, launches included, without a GPU.
+"""Checks, without a GPU, that the Triton ops' CUDA kernels launch directly (kernels/_launch.py)
+and packed (csrc/triton_launch.cpp) exactly as through Triton's own `JITFunction.run`.
 
-    python -m benchmarks.tools.launch_overhead_triton [--rounds 7] [--calls 200]
-    python -m benchmarks.tools.launch_overhead_triton --check
+    python -m launch.check_launches [--triton-launcher]     (from tests/; tests/test_direct_launch.py runs it)
 
 Runs what the dispatcher runs for each op on a GPU (transformer_fast/_device_kernels.py: the op's
 kernel and its Triton launcher) on small CPU tensors, with the kernels compiled for sm_90 and
-launched into a recording driver (recording_driver.py): everything a call costs on the host but
-the driver's own launch (cuLaunchKernel, a few us). Each call is timed through Triton's
-`JITFunction.run`, with direct launches (kernels/_launch.py) and with packed launches (the plans'
-launches made from C++, csrc/triton_launch.cpp, into the recording driver's CUDA library),
-alternating, fastest round of each. A direct launch here calls the recording launcher (a Python
-function) where a GPU's would call Triton's, which reads every argument again: the direct column
-leaves that out. The first call of each op compiles its kernels (seconds; Triton keeps them on disk).
-
---check makes every call both ways and compares what reached the launcher: the same compiled
-kernel, grid, stream and arguments (new outputs compared by dtype, shape, strides and alignment);
-then, for calls that vary every way the launch plans depend on (dropout seeds, masks, packed
-sequences, splits, strides, alignment), that a plan made by a twin call (the same signature,
-other tensors and seed) launches each call as a plan of its own would, input tensors compared by
-identity; then that each packed launch passes the CUDA driver what Triton's launcher would for
-the same launch: the kernel, grid, block, shared memory, stream, and every parameter's bytes as
-Triton's signature types them (the types' sizes from Triton's own table). Exits 1 on a difference;
-tests/test_direct_launch.py runs it."""
+launched into a recording driver (recording_driver.py). Makes every call both ways and compares
+what reached the launcher: the same compiled kernel, grid, stream and arguments (new outputs
+compared by dtype, shape, strides and alignment); then, for calls that vary every way the launch
+plans depend on (dropout seeds, masks, packed sequences, splits, strides, alignment), that a plan
+made by a twin call (the same signature, other tensors and seed) launches each call as a plan of
+its own would, input tensors compared by identity; then that each packed launch passes the CUDA
+driver what Triton's launcher would for the same launch: the kernel, grid, block, shared memory,
+stream, and every parameter's bytes as Triton's signature types them (the types' sizes from
+Triton's own table). `--triton-launcher` compares the packed launches with what Triton's own
+launcher (its C code, built against the recording CUDA library) passes the driver. The first call
+of each op compiles its kernels (seconds; Triton keeps them on disk). Exits 1 on a difference."""
 import argparse
 import os
 import struct
 import sys
-import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be jit functions, not interpreter objects
 os.environ.setdefault("TRANSFORMER_FAST_TILE", "0")  # one candidate tile per autotuned kernel: no timing runs
 
 import torch  # noqa: E402
 
-from benchmarks.tools.recording_driver import STREAM, launches, library, library_launches  # noqa: E402
-from benchmarks.tools.recording_driver import recording_driver  # noqa: E402
+from launch.recording_driver import STREAM, launches, library, library_launches, recording_driver  # noqa: E402
 
 
 def _calls():
@@ -363,40 +355,8 @@ def check_packed(cases, triton_launcher=False):
     return failures
 
 
-def _per_call_us(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-_MODES = {"Triton run": (False, False), "direct": (True, False), "packed": (True, True)}
-
-
-def measure(calls, rounds, n):
-    print(f"{'op kernel (CUDA key), host us per call':<50} {'Triton run':>11} {'direct':>9} {'packed':>9}")
-    lib = library()
-    for name, call in calls.items():
-        best = dict.fromkeys(_MODES, float("inf"))
-        _forget_plans()
-        for direct, native in ((False, False), (True, True)):  # compile; make the entries, plans, packed launches
-            _set_direct(direct, native)
-            for _ in range(3):
-                call()
-        for _ in range(rounds):
-            for mode, (direct, native) in _MODES.items():
-                _set_direct(direct, native)
-                best[mode] = min(best[mode], _per_call_us(call, n))
-                launches.clear()
-                lib.recording_clear()
-        print(f"{name:<50} {best['Triton run']:8.1f} us {best['direct']:6.1f} us {best['packed']:6.1f} us")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--triton-launcher", action="store_true",
                         help="launch through Triton's own launcher (C, built against the recording library)")
     args = parser.parse_args(argv)
@@ -404,14 +364,11 @@ def main(argv=None):
     with recording_driver(args.triton_launcher):
         try:
             calls = _calls()
-            if args.check and args.triton_launcher:  # no recording launcher: the packed launches only
+            if args.triton_launcher:  # no recording launcher: the packed launches only
                 cases = dict(calls)
                 cases.update({name: make(0)[0] for name, make in _plan_cases().items()})
                 return 1 if check_packed(cases, triton_launcher=True) else 0
-            if args.check:
-                return 1 if check(calls) else 0
-            measure(calls, args.rounds, args.calls)
-            return 0
+            return 1 if check(calls) else 0
         finally:  # drop the compiled kernels while the driver that loaded them is active
             _drop_compiled()
 
