@@ -3,12 +3,12 @@
 Time. CPU: the implementations of a group are timed round-robin (each repeat runs every
 implementation once, in a rotated order), so a slow phase of a shared machine hits all of them
 alike; each sample runs an implementation enough times back to back to last `min_sample_s`,
-and the reported time is the median of the samples. CUDA: ``triton.testing.do_bench`` (median,
+and the reported time is the median of the samples. CUDA: `triton.testing.do_bench` (median,
 L2 flushed, device-synchronised) per implementation, repeated round-robin for a few rounds.
 
-Peak memory. CUDA: ``torch.cuda.max_memory_allocated`` during one call, minus what was
+Peak memory. CUDA: `torch.cuda.max_memory_allocated` during one call, minus what was
 allocated before it. CPU: torch has no allocator statistics for the CPU, so one call runs under
-``torch.profiler`` with ``profile_memory=True``, which records every allocation and free of
+`torch.profiler` with `profile_memory=True`, which records every allocation and free of
 torch's CPU allocator; the peak of their running sum is the memory the call needed above its
 inputs (tensors allocated outside torch's allocator, e.g. by a library's own scratch buffers,
 are not seen).

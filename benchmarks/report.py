@@ -1,8 +1,8 @@
 """What the benchmark writes: the crossover statements, the tables (console and Markdown), the
 JSON record and the PNG plots; and, run as a command, the results index and the README's tables.
 
-    python -m benchmarks.report              # rewrites benchmarks/results/INDEX.md and the generated
-                                             # blocks of README.md and docs/performance.md
+    python -m benchmarks.report              # rewrites benchmarks/results/INDEX.md, the README's headline
+                                             # (best figures) and docs/performance.md's full tables
     python -m benchmarks.report --check      # exit status 1 if any of them is out of date
 """
 from __future__ import annotations
@@ -241,6 +241,10 @@ def markdown(result, images):
 # --------------------------------------------------------------------------------------------
 COLORS = {"naive": "tab:gray", "torch_sdpa": "tab:blue", "ours_softmax": "tab:red", "ours_linear": "tab:orange",
           "torch_linear": "tab:green", "torch": "tab:blue", "ours": "tab:red"}
+# PyTorch's implementations drawn as hollow markers, ours as filled ones: told apart where lines overlap
+MARKERS = {"naive": "x", "torch_sdpa": "o", "ours_softmax": "s", "ours_linear": "D", "torch_linear": "^",
+           "torch": "o", "ours": "s"}
+HOLLOW = {"torch_sdpa", "torch_linear", "torch"}
 
 
 def _series(records, impl, config, key):
@@ -253,32 +257,41 @@ def _series(records, impl, config, key):
     return sorted(pts)
 
 
-def _tick_label(y, _pos=None):
-    """Log-axis labels at 1, 2 and 5 times a power of ten, in plain numbers."""
+def _power_of_two_label(y, _pos=None):
+    """A log-2 axis's label: 1/4, 1/2, 1, 2, 4, ..., 1024 as 1k."""
     if y <= 0:
         return ""
-    mantissa = y / 10 ** math.floor(math.log10(y) + 1e-9)
-    return f"{y:g}" if round(mantissa, 6) in (1.0, 2.0, 5.0) else ""
+    if abs(math.log2(y) - round(math.log2(y))) > 1e-9:  # a tick between powers of two (a narrow range)
+        return f"{y / 1024:.3g}k" if y >= 1024 else f"{y:.3g}"
+    if y < 1:
+        return f"1/{round(1 / y)}"
+    return f"{round(y / 1024)}k" if y >= 1024 and round(y) % 1024 == 0 else f"{round(y)}"
 
 
-def _log_axes(ax, xs, ylabel, title):
-    from matplotlib.ticker import FuncFormatter, NullLocator
+def _log_axes(ax, xs, ys, ylabel, title):
+    """Both axes in base 2, a tick at every power of two in the data's range (a decade of ms or MiB
+    spans three or four of them, so even a narrow range gets several labelled ticks)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    ax.set_yscale("log", base=2)
     if xs:
+        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)  # room for the implementations' offsets, even at one N
         ax.set_xticks(sorted(xs))
-        ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in sorted(xs)],
-                           fontsize=8)
+        ax.set_xticklabels([_power_of_two_label(x) for x in sorted(xs)], fontsize=8)
         ax.xaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_formatter(FuncFormatter(_tick_label))
-    ax.yaxis.set_minor_formatter(FuncFormatter(_tick_label))
-    ax.tick_params(axis="y", which="both", labelsize=8)
+    if ys:
+        low, high = math.floor(math.log2(min(ys))), math.ceil(math.log2(max(ys)))
+        steps = (1, 1.25, 1.5, 1.75) if high - low < 3 else (1,)  # within two powers of two: quarters too
+        ax.yaxis.set_major_locator(FixedLocator([2.0 ** e * f for e in range(low, high + 1) for f in steps]))
+        ax.set_ylim(2.0 ** low / 1.1, 2.0 ** high * 1.1)
+    ax.yaxis.set_major_formatter(FuncFormatter(_power_of_two_label))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.tick_params(axis="y", labelsize=8)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.grid(True, which="major", alpha=0.4)
-    ax.grid(True, which="minor", alpha=0.15)
+    ax.grid(True, which="major", alpha=0.3)
 
 
 def _time_ms(r):
@@ -318,20 +331,27 @@ def plot_family(result, family, path, metric):
         fig, axes = plt.subplots(1, 1, figsize=(7.5, 5), squeeze=False)
         panels = [(axes[0][0], configs, configs[0] if len(configs) == 1 else "", None)]
     any_data = False
+    impls = cases.IMPLS[family]
     for ax, panel_configs, title, attn_config in panels:
-        xs = set()
+        xs, ys = set(), []
         styles = ["-", "--", ":", "-."]
         for ci, config in enumerate(panel_configs):
-            for impl in cases.IMPLS[family]:
+            for k, impl in enumerate(impls):
                 pts = _series(records, impl, config, key)
                 if not pts:
                     continue
                 any_data = True
                 xs.update(x for x, _ in pts)
+                ys += [y for _, y in pts]
                 extra = config.rsplit(", ", 1)[0] if family == "layer_norm" else config
                 name = cases.label(family, impl) + ("" if len(panel_configs) == 1 else f" [{extra}]")
-                ax.plot([x for x, _ in pts], [y for _, y in pts], styles[ci % len(styles)], marker="o",
-                        markersize=4, color=COLORS.get(impl), label=name)
+                # lines that coincide stay visible: each implementation a few percent to the side
+                shift = 2 ** (0.05 * (k - (len(impls) - 1) / 2))
+                color = COLORS.get(impl)
+                ax.plot([x * shift for x, _ in pts], [y for _, y in pts], styles[ci % len(styles)],
+                        marker=MARKERS.get(impl, "o"), markersize=6 if impl in HOLLOW else 5, color=color,
+                        alpha=0.8, label=name,
+                        markerfacecolor="white" if impl in HOLLOW else color)
         if attn_config is not None and metric == "time":
             for c in result["crossovers"]:
                 if (c["causal"], c["pass"]) == attn_config and c["softmax"] == "ours_softmax" and c["seq_len"] \
@@ -339,7 +359,7 @@ def plot_family(result, family, path, metric):
                     ax.axvline(c["seq_len"], color="black", linestyle=":", linewidth=1)
                     ax.annotate(f" crossover\n N~{c['seq_len']:,.0f}", (c["seq_len"], 0.82),
                                 xycoords=("data", "axes fraction"), fontsize=8, ha="left")
-        _log_axes(ax, xs, ylabel, title)
+        _log_axes(ax, xs, ys, ylabel, title)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     title = {"attention": "Attention", "layer_norm": "LayerNorm", "train_step": "Training step"}[family]
@@ -439,7 +459,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a generated file is stale")
     args = p.parse_args(argv)
     wanted = {os.path.join(args.results, "INDEX.md"): lambda _old: tables.index_markdown(args.results),
-              os.path.join(root, "README.md"): lambda old: tables.replace_block(old, tables.headline(args.results)),
+              os.path.join(root, "README.md"):
+                  lambda old: tables.replace_block(old, tables.headline_summary(args.results)),
               os.path.join(root, "docs", "performance.md"):
                   lambda old: tables.replace_block(old, tables.performance_block(args.results))}
     stale = []

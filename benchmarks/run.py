@@ -39,8 +39,8 @@ DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results")
 # Sequence lengths: (quick, full) per device type.
 SEQ_LENS = {"cpu": ([128, 256, 512, 1024, 2048], [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]),
             "cuda": ([1024, 2048, 4096, 8192, 16384], [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536])}
-TRAIN_SEQ_LENS = {"cpu": ([128, 256], [128, 256, 512, 1024, 2048]),
-                  "cuda": ([512, 2048], [512, 1024, 2048, 4096, 8192])}
+TRAIN_SEQ_LENS = {"cpu": ([64, 128, 256, 512], [64, 128, 256, 512, 1024, 2048]),
+                  "cuda": ([512, 1024, 2048, 4096], [512, 1024, 2048, 4096, 8192])}
 
 SUITES = {
     "attention": "sweep over N: naive, torch SDPA, ours softmax and linear, PyTorch linear attention",
@@ -145,7 +145,7 @@ def parse_args(argv=None):
                    help="gpu: pytest-xdist workers for the gpu tests (default: 8 where pytest-xdist is installed)")
     p.add_argument("--test-selection", default=None, metavar="EXPR", help="gpu: pytest -k EXPR for the gpu tests")
     p.add_argument("--test-timeout", type=float, default=3600, help="gpu: seconds the gpu tests may take")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines (in a log)")
     p.add_argument("--strict", action="store_true",
                    help="exit with status 1 if an implementation fails its check or raises")
     args = p.parse_args(argv)
@@ -393,8 +393,10 @@ def run_sweep(args):
             selected[name] = _backends.select_backend(device, dtype, "auto", name)
         except Exception as exc:  # noqa: BLE001
             selected[name] = _first_line(exc)
-    for name, reason in backends.items():
-        print(f"  backend {name}: {'available' if reason is None else 'unavailable (' + reason + ')'}")
+    for name, status in backends.items():  # None or why not; or, per device type, "ok" or why not
+        if isinstance(status, dict):
+            status = None if status.get(device.type) == "ok" else status.get(device.type)
+        print(f"  backend {name}: {'available' if status is None else f'unavailable ({status})'}")
     print(f"  ours runs on the {selected['attention']!r} backend for {device.type} {dtype} tensors", flush=True)
 
     if load_start and load_start[0] > (os.cpu_count() or 1):
@@ -411,7 +413,7 @@ def run_sweep(args):
     groups = cases.make_groups(args, device, dtype)
     records, history, interrupted = [], {}, False
     progress = None
-    if not args.no_progress:
+    if not args.no_progress and sys.stderr.isatty():  # a log gets plain lines, not a bar's carriage returns
         try:
             from tqdm import tqdm
 
@@ -419,9 +421,11 @@ def run_sweep(args):
         except ImportError:
             progress = None
     try:
-        for group in groups:
+        for i, group in enumerate(groups):
             if progress is not None:
                 progress.set_description_str(group.key)
+            elif not args.no_progress:
+                print(f"[{i + 1}/{len(groups)}] {group.key}", file=sys.stderr, flush=True)
             records.extend(run_group(group, args, device, memory_limit, history))
             if progress is not None:
                 progress.update(1)
@@ -447,8 +451,9 @@ def run_sweep(args):
                                                        "TRANSFORMER_FAST_BACKEND", "TRITON_INTERPRET")},
         "ceilings": ceilings,
         "load_average": {"start": load_start, "end": _load_average()},
-        "method": {"time": measure.__doc__.split("\n\n")[1].replace("\n", " ").strip(),
-                   "memory": measure.__doc__.split("\n\n")[2].replace("\n", " ").strip(),
+        # the method's paragraphs of measure's docstring, without their headings ("Time.", "Peak memory.")
+        "method": {"time": " ".join(measure.__doc__.split("\n\n")[1].split()).split(". ", 1)[1],
+                   "memory": " ".join(measure.__doc__.split("\n\n")[2].split()).split(". ", 1)[1],
                    "check": "every implementation runs once first and is compared with a float64 oracle on 12 "
                             "query rows (output, and gradients for a random upstream gradient on those rows); "
                             "bound = 2 x the oracle's own error in the dtype + a floor of "

@@ -1,10 +1,9 @@
 """Reads the committed results (benchmarks/results/) and picks the latest per device and suite:
 the input of the results index and of the README's generated tables (see report.main).
 
-Every suite writes JSON with its suite name and date. A few result files predate that: the
-sweeps and GPU attention grids in JSON without a suite name or date, and CPU target runs kept as
-the text the benchmark printed. `EARLIER_FORMATS` says what each of them is, and the parsers
-below read the text ones.
+Every suite writes JSON with its suite name and date. Two kept result files predate that: a
+sweep in JSON without a suite name (read as the sweep), and the CPU targets' printed text
+(`EARLIER_FORMATS` says what it holds; the parsers below read such text, as in git history).
 """
 from __future__ import annotations
 
@@ -14,124 +13,10 @@ import re
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-# file -> (suites, when measured). The text files' device: the 2-core development VM of the CPU sweeps.
+# file -> (suites, when measured): the one result kept from before the suites wrote JSON, the text
+# the CPU LayerNorm and linear-attention targets printed on the 2-core development VM.
 EARLIER_FORMATS = {
-    "cuda-h100-attention-2026-11-22-grid-first-bwd-tiles.json": (("target_gpu_attention",), "2026-11-22T01:00"),
-    "cuda-h100-attention-2026-11-22-bf16-fwdbwd-swept-tiles.json": (("target_gpu_attention",), "2026-11-22T02:00"),
-    "cuda-h100-attention-2026-11-23-fp16-fwdbwd.json": (("target_gpu_attention",), "2026-11-23T05:10"),
-    "cuda-h100-attention-cpp-2026-11-23.json": (("target_gpu_attention",), "2026-11-23T05:20"),
-    "cpu-attention-2026-11-23-register-tiles.txt": (("target_cpu_attention",), "2026-11-23T12:00"),
     "cpu-targets-2026-11-22.txt": (("target_cpu_layer_norm", "target_cpu_linear_attention"), "2026-11-22T12:00"),
-}
-# Records that are not benchmark results: what each is.
-OTHER_RECORDS = {
-    "cpu-lowp-products-2026-11-29.txt": "the C++ attention's bf16/fp16 tile products on an AVX2 CPU: MKL's bf16 "
-                                        "gemm and torch's fp16 mm against fp32 products on operands converted "
-                                        "per product: bf16 1.00-1.03x, fp16 1.03-1.17x forward and 1.09-1.13x "
-                                        "forward+backward",
-    "cpu-norm-weight-grad-chunks-2026-11-28.txt": "the C++ LayerNorm/RMSNorm backward's weight gradient summed in "
-                                                  "chunks of 16 rows instead of 64: RMSNorm's dweight over 64-1000 "
-                                                  "rows 0.6-0.9x torch's error (was 1.1-1.8x), time within noise",
-    "compile-check-attention-atomic-dq-2026-11-27.txt": "the attention dK/dV kernel adding dQ atomically "
-                                                        "(TRANSFORMER_FAST_ATOMIC_DQ=1) against the same tiles "
-                                                        "without it, compiled for sm_80 and sm_90: registers and "
-                                                        "spills",
-    "cpu-linear-state-sum-2026-11-27.txt": "linear attention's final state summed in float64 (C++) and with Kahan "
-                                           "compensation (Triton): final z within torch's summation error at 200-20k "
-                                           "keys (was 2-6.5x); C++ time unchanged (0.94-1.02x, one thread); Triton "
-                                           "register use and spills from the compile check",
-    "cpu-attention-dropout-ab-2026-11-27.txt": "the C++ CPU attention with dropout 0.1 before and after the dropout "
-                                               "changes (BERT-base layer, one thread): forward 0.64-0.70x its former "
-                                               "time, backward 0.79-0.83x; no change without dropout",
-    "cpu-attention-causal-tiles-2026-11-27.txt": "the C++ attention's forward key tiles in bf16/fp16 with a causal "
-                                                 "mask or a window, 512 against 256 keys: bf16 forward causal "
-                                                 "0.83-0.90x its former time, windows 0.65-0.83x",
-    "cpu-attention-ragged-2026-11-27.txt": "the C++ bf16 attention before and after its packed score and dP products "
-                                           "run over key blocks rounded up to 16 columns: ragged N forward "
-                                           "0.85-0.90x its former time, forward+backward 0.84-0.96x",
-    "cpu-packed-launch-2026-11-27.txt": "host time per call of the Triton ops' CUDA kernels without a GPU, Triton's "
-                                        "own launcher built against a recording CUDA library: packed launches "
-                                        "(C++) against direct launches (0.58-0.72x their time) and JITFunction.run, "
-                                        "Triton 3.9 and 3.6, and the checks that both pass the driver the same",
-    "cpu-packed-at-second-launch-2026-11-27.txt": "decoding calls with a new key count each step, packed launches "
-                                                  "on: a plan's packed launch made at its second launch instead of "
-                                                  "its first, 80-91 -> 46-53 us per call; repeated shapes unchanged",
-    "cpu-native-calls-2026-11-27.txt": "host time per call of the attention and norm ops' CUDA kernels without a "
-                                       "GPU: native calls (C++ recipes) against the Python kernels behind the "
-                                       "dispatcher (0.38-0.55x their time), launched into a recording CUDA library",
-    "cpu-hf-rmsnorm-2026-11-27.txt": "Hugging Face transformers' RMSNorm modules (Llama's and Gemma's forms) before and "
-                                     "after `convert`, decoding and training sizes "
-                                     "(`python -m benchmarks.tools.hf_norms_cpu`)",
-    "cpu-host-before-after-2026-11-27.txt": "CPU time per call of small calls and of decoding attention, before and "
-                                            "after the eager path's checks moved into one C call and the kernels' "
-                                            "allocations off the dispatcher "
-                                            "(`python -m benchmarks.tools.host_before_after_cpu`)",
-    "compile-check-2026-11-23.txt": "Triton kernels compiled for sm_80 and sm_90 without a GPU: registers and spills "
-                                    "of every config (`python -m transformer_fast.kernels.compile_check`)",
-    "compile-check-cuda-2026-11-26.txt": "the C++ backend's CUDA kernels compiled with nvcc for sm_80 and sm_90: "
-                                         "registers and spills (`compile_check --cuda`)",
-    "compile-check-linear-state-2026-11-25.txt": "the linear-attention Triton kernels, with and without a carried "
-                                                 "state, compiled for sm_80 and sm_90: registers and spills "
-                                                 "(`compile_check --only linear_attention`)",
-    "compile-check-attention-2026-11-25.txt": "the Triton attention kernels with windows, softcap, ALiBi, sinks, "
-                                              "packed/paged layouts and the decoding split, compiled for sm_80 and "
-                                              "sm_90: registers and spills of every config (`compile_check --only "
-                                              "attention`)",
-    "compile-check-float-mask-2026-11-26.txt": "the Triton attention kernels with a float attn_mask (float32 with a bf16 "
-                                                 "query included; finfo.min kept finite), compiled for sm_80 "
-                                                 "and sm_90: registers and spills",
-    "compile-check-attention-2026-11-26.txt": "the Triton attention kernels with dQ's sum of P * dP for the sinks' "
-                                              "gradient, compiled for sm_80 and sm_90: registers and spills of every "
-                                              "config (`compile_check --only attention`)",
-    "compile-check-layer-norm-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with weight and bias read in "
-                                               "their own dtype, compiled for sm_80 and sm_90: registers and spills",
-    "cuda-h200-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H200 before and after the direct launch of "
-                                          "tuned choices: each run's summary, the one failure and its cause",
-    "cuda-h200-host-2026-11-26.txt": "host time per call on an H200's machine, ours and torch's, before and after the "
-                                     "direct launch of tuned choices, with where the time goes (cProfile, "
-                                     "torch.profiler)",
-    "cpu-launch-plans-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (launches "
-                                       "recorded), before and after the launch plans: 0.50-0.65x the direct "
-                                       "launch's time for attention, LayerNorm and linear attention",
-    "cpu-attention-padding-2026-11-26.txt": "the C++ attention with right-padded keys before and after its tiles "
-                                            "end at the last unpadded key (forward 0.63-0.82x its time, "
-                                            "forward+backward 0.80-0.86x), and "
-                                            "where packing K and V pays off by shape, dtype and threads "
-                                            "(`benchmarks/tools/sweep_cpu_packing.py`)",
-    "cpu-launch-overhead-2026-11-26.txt": "host time per call of the Triton ops' CUDA kernels without a GPU (kernels "
-                                          "compiled for sm_90, launches recorded): direct launches against Triton's "
-                                          "JITFunction.run, with Triton 3.9 and 3.6, and the check that both launch "
-                                          "the same",
-    "cuda-h200-attention-kernels-2026-11-26.txt": "device time per kernel of one attention forward+backward on an "
-                                                  "H200, ours against torch's SDPA (cuDNN attention)",
-    "cuda-h100-attention-bwd-tile-sweep-2026-11-22.txt": "every candidate tile of the two Triton backward kernels "
-                                                         "timed alone on an H100 (benchmarks/tools/sweep_attention_"
-                                                         "tiles_gpu.py): the source of the bf16/fp16 backward tables",
-    "compile-check-layer-norm-bwd-tiles-2026-11-26.txt": "the LayerNorm/RMSNorm Triton kernels with the backward's "
-                                                         "tile table, compiled for sm_80 and sm_90 with the launch-"
-                                                         "time specialization: registers and spills",
-    "cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt": "the LayerNorm backward's steps, warps and programs per SM timed "
-                                                     "on an H100 against torch's backward (kernel time): the source "
-                                                     "of the backward's tile table",
-    "cuda-h100-host-2026-11-27-1200.txt": "host time per call on an H100's machine, ours and torch's, with the "
-                                          "native calls' device guard (the defaults)",
-    "cuda-h100-gpu-tests-2026-11-27-1200.txt": "the `gpu`-marked tests on an H100 with the native calls' device guard "
-                                               "and the Llama and LayerNorm rows' checks",
-    "cuda-h100-attention-kernels-2026-11-27.txt": "device time per kernel of one attention forward+backward on an "
-                                                  "H100, ours against cuDNN attention, and Nsight Compute's summary "
-                                                  "of each kernel",
-    "cuda-h100-layer-norm-bwd-sweep-2026-11-27.txt": "the LayerNorm backward's tile choices timed again on an H100: "
-                                                     "why width 1024 takes 2 programs per SM",
-    "cuda-h100-host-2026-11-27.txt": "host time per call on an H100's machine, ours and torch's, with packed launches "
-                                     "and native calls and without them (TRANSFORMER_FAST_NATIVE_LAUNCH=0)",
-    "cuda-h100-gpu-tests-2026-11-27.txt": "the `gpu`-marked tests on an H100 with packed launches and native calls: "
-                                          "their bitwise tests and the rest without the full grids",
-    "cuda-h100-host-2026-11-26.txt": "host time per call on an H100's machine, ours and torch's, with direct launches "
-                                     "and without them (TRANSFORMER_FAST_DIRECT_LAUNCH=0), and where the time goes",
-    "cuda-h100-gpu-tests-2026-11-26.txt": "the `gpu`-marked tests on an H100 with direct launches: the direct-launch "
-                                          "test (bitwise Triton's results) and the rest without the full grids",
-    "cuda-h100-gpu-tests-2026-11-23.txt": "the `gpu`-marked tests on an H100: summary of each run, and the "
-                                          "head-dim pairs that located the Triton 3.6 miscompilation",
 }
 CPU_VM = "Intel(R) Xeon(R) Processor"
 CPU_CASES = ("forward", "forward causal", "forward 1/4 padded", "fwd+bwd", "fwd+bwd causal", "fwd+bwd 1/4 padded")
@@ -222,9 +107,6 @@ def load(path):
     if "cases" in result:  # a sweep
         return [_entry(path, result.get("suite", "sweep"), result["created"], result["device"], result["versions"],
                        result)]
-    if "results" in result:  # a GPU attention grid written before the suites
-        data = {k: result[k] for k in ("matmul_flops_per_s", "args", "results")}
-        return [_entry(path, suites[0], when, result["device"], result["versions"], data)]
     if "suite" in result:
         return [_entry(path, result["suite"], result["created"], result.get("device", {}), result["versions"],
                        result.get("result", result))]

@@ -332,6 +332,102 @@ def headline(folder=summary.RESULTS, prefix="benchmarks/results/"):
 
 
 # --------------------------------------------------------------------------------------------
+# The README's short headline: one row per group of the tables above, its best figure
+# --------------------------------------------------------------------------------------------
+def _best(items, lower=1):
+    """'{best}x {of what}' and the range over all: items are (ratio, what), ratio > 1 ours faster."""
+    items = [(r, what) for r, what in items if r is not None]
+    if not items:
+        return None
+    ratio, what = max(items)
+    spread = f"; {_range([r for r, _ in items])} over {len(items)} cases" if len(items) > lower else ""
+    return f"**{ratio:.2f}x** ({what}){spread}"
+
+
+def _short_device(name):
+    for noise in ("NVIDIA ", "(R)", " Processor", " 80GB HBM3"):
+        name = name.replace(noise, "")
+    return name.strip()
+
+
+def _newest(latest, kind, suite):
+    """The newest entries of `suite` on any device of `kind` ("cpu" or "cuda"), newest first."""
+    got = [e for (_, s, _), es in latest.items() if s == suite for e in es if e["device"].get("type") == kind]
+    return sorted(got, key=lambda e: e["created"], reverse=True)
+
+
+def _summary_rows(latest, prefix):
+    rows = []
+
+    def add(what, figure, entries):
+        if figure:
+            devices = ", ".join(dict.fromkeys(_short_device(e["device"].get("name", "")) for e in entries))
+            rows.append([what, devices, figure, ", ".join(dict.fromkeys(_link(e["file"], prefix) for e in entries))])
+
+    for e in _newest(latest, "cpu", "target_cpu_attention")[:1]:
+        got = [r for r in e["data"]["rows"] if r.get("status") == "ok"]
+        add(f"CPU softmax attention vs `F.sdpa`, {got[0]['shape']}",
+            _best([(r["ratio"], f"{r['dtype']} {r['case']}") for r in got]), [e])
+    for e in _newest(latest, "cpu", "varlen")[:1]:
+        d = e["data"]
+        pack = [(r["ratio"], f"vs the {r['torch_impl']} batch") for r in d.get("pack", {}).get("rows", [])]
+        add("CPU packed sequences (`varlen_attn`) vs `F.sdpa`", _best(pack), [e])
+        add("CPU sliding window (512 keys, N = 16k) vs `F.sdpa` with a bool mask",
+            _best([(r["ratio"], "forward") for r in d.get("window", {}).get("rows", [])]), [e])
+        add("CPU decoding step vs `F.sdpa(enable_gqa=True)`",
+            _best([(r["ratio"], f"{r['dtype']}, {r['shape']}") for r in d.get("decode", {}).get("rows", [])
+                   if r.get("status") == "ok"]), [e])
+    for e in _newest(latest, "cpu", "target_cpu_linear_attention")[:1]:
+        p = e["data"]["passes"]
+        add(f"CPU causal linear attention vs `F.sdpa(is_causal=True)`, {e['data']['shape']}",
+            _best([(p[k]["vs_sdpa"], k) for k in p]), [e])
+    for e in _newest(latest, "cpu", "target_cpu_layer_norm")[:1]:
+        d = e["data"]
+        add(f"CPU fused residual + LayerNorm vs `x + r` then `F.layer_norm`, {d['shape']}",
+            _best([(d["forward_ratio"], "forward"), (d["forward_backward_ratio"], "forward+backward")]), [e])
+    for e in _newest(latest, "cpu", "host")[:1]:
+        got = [r for r in e["data"]["rows"] if r["status"] == "ok"]
+        add("CPU host cost per call (tiny tensors) within target (forward: torch + 2 us; forward+backward: "
+            "1.1x torch)", f"**{sum(r['met'] for r in got)} of {len(got)}**", [e])
+    for kind, device in (("cpu", "CPU"), ("cuda", "GPU")):
+        models = _newest(latest, kind, "models")
+        links = {row[-1] for row in _latest_models_rows(models, prefix)}
+        used = [e for e in models if _link(e["file"], prefix) in links]
+        seen, items = set(), []
+        for e in used:
+            for r in e["data"]["rows"]:
+                if r["status"] == "ok" and r["model"] not in seen:
+                    items.append((r["ratio"], f"{r['model']} {r['case']}, {r['precision']}, "
+                                              f"{r['batch']} x {r['length']}"))
+            seen |= {r["model"] for r in e["data"]["rows"] if r["status"] == "ok"}
+        add(f"{device} whole models (BERT, Llama-like, encoder-decoder) vs the same model on `sdpa`", _best(items),
+            used)
+    grids = _newest(latest, "cuda", "target_gpu_attention")
+    grid = summary.latest_gpu_grid_rows(grids)
+    short = {"bfloat16": "bf16", "float16": "fp16"}
+    add("GPU softmax attention vs torch's SDPA", _best([
+        (r["ratio"], f"{short.get(r['dtype'], r['dtype'])} {r['passes']}, D={r['D']}, N={r['N'] // 1024}k"
+                     f"{', causal' if r.get('causal') else ''}, {r['ours_tflops']:.0f} TFLOP/s") for r in grid]),
+        [e for e in grids if e["file"] in {r["file"] for r in grid}])
+    for e in _newest(latest, "cuda", "sweep")[:1]:
+        for family, impl, what in (("layer_norm", "ours", "GPU fused residual + LayerNorm vs `F.layer_norm`"),
+                                   ("attention", "ours_linear", "GPU linear attention vs a PyTorch linear attention")):
+            items = [(v, f"{c['config_label']}, N={c['seq_len']}") for c in e["data"]["cases"]
+                     if c["family"] == family and c["impl"] == impl and c["status"] == "ok"
+                     for v in [c.get("speedup_vs_baseline")]]
+            add(what, _best(items), [e])
+    return rows
+
+
+def headline_summary(folder=summary.RESULTS, prefix="benchmarks/results/"):
+    """The README's headline: the best figure of each group of docs/performance.md's tables, with
+    the range it is the best of, each row naming its result files."""
+    latest = summary.latest(summary.load_all(folder))
+    return _table(["what (ours vs PyTorch: its time over ours)", "device", "best (range)", "result"],
+                  _summary_rows(latest, prefix))
+
+
+# --------------------------------------------------------------------------------------------
 # The index
 # --------------------------------------------------------------------------------------------
 def _latest_table(folder, prefix):
@@ -341,6 +437,9 @@ def _latest_table(folder, prefix):
         if suite == "target_gpu_attention" and backend.startswith("triton"):
             used = [e for e in newest_first if e["file"] in {r["file"] for r in summary.latest_gpu_grid_rows(
                 newest_first)}]
+        elif suite == "models":
+            links = {row[-1] for row in _latest_models_rows(newest_first, prefix)}
+            used = [e for e in newest_first if _link(e["file"], prefix) in links] or newest_first[:1]
         elif suite == "sweep":
             used = _latest_sweep_rows(newest_first, prefix, cpu=newest_first[0]["device"].get("type") == "cpu")[1] \
                 or newest_first[:1]
@@ -360,11 +459,17 @@ def performance_block(folder=summary.RESULTS):
 
 
 def index_markdown(folder=summary.RESULTS):
-    others = [[_link(name, ""), text] for name, text in summary.OTHER_RECORDS.items()
-              if os.path.exists(os.path.join(folder, name))]
     return "\n".join([
         "# Benchmark results", "",
-        "The latest run of each suite on each device (a GPU grid run that re-measured part of the grid after a "
-        "kernel change, or a sweep of one family, supersedes only that part). Written by `python -m benchmarks.run`; this index by "
-        "`python -m benchmarks.report`. Earlier runs are in git's history.", "",
-        _latest_table(folder, ""), "", "## Other records", "", _table(["file", "what"], others), ""])
+        "What is kept: the latest run of each suite on the CPU and on the GPU that measured it last (a sweep of "
+        "one family, or a models run of some of the models, supersedes only that part), with the commit it "
+        "measured. Written by `python -m benchmarks.run`; this index by `python -m benchmarks.report`. Commit a "
+        "new run with the deletion of the one it replaces.", "",
+        _latest_table(folder, ""), "",
+        "## Older runs", "",
+        "Earlier runs and one-off records (A/B measurements, compile checks, GPU test logs) are in git's history. "
+        "List the deleted result files with the commits that deleted them, then read one at the commit before:", "",
+        "```bash",
+        "git log --diff-filter=D --name-only --format='%h %ad %s' --date=short -- benchmarks/results/",
+        "git show <commit>^:benchmarks/results/<file>",
+        "```", ""])

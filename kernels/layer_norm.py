@@ -23,11 +23,12 @@ MIN_TILE = 16     # narrower rows are padded to this many columns
 ROW_TILE = 4096   # elements per forward program for narrow rows (BLOCK_M * BLOCK_N)
 # The single-tile backward's (elements per step, warps, programs per SM) by padded row width:
 # the best of 45 choices on an H100 (bf16, weight and bias; within 2% of each width's best,
-# benchmarks/results/cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt). Each program walks its rows
-# one step at a time, so the loads in flight per SM set the speed: few warps, each thread holding
-# 16-64 elements of a step, ran 1.2-5.0x faster than 8 warps on 2048-element steps. Width 1024
-# takes 2 programs per SM, not the first sweep's 8: in a second sweep 8 ran 1.27-1.78x slower at
-# 16K-64K rows, 2 stayed within 6% of the best in both (cuda-h100-layer-norm-bwd-sweep-2026-11-27.txt).
+# git show e4a4db1:benchmarks/results/cuda-h100-layer-norm-bwd-sweep-2026-11-26.txt). Each program
+# walks its rows one step at a time, so the loads in flight per SM set the speed: few warps, each
+# thread holding 16-64 elements of a step, ran 1.2-5.0x faster than 8 warps on 2048-element steps.
+# Width 1024 takes 2 programs per SM, not the first sweep's 8: in a second sweep 8 ran 1.27-1.78x
+# slower at 16K-64K rows, 2 stayed within 6% of the best in both
+# (git show e4a4db1:benchmarks/results/cuda-h100-layer-norm-bwd-sweep-2026-11-27.txt).
 BWD_TILES = {1024: (4096, 4, 2), 2048: (8192, 4, 2), 4096: (4096, 8, 2), 8192: (8192, 16, 1)}
 BWD_NARROW_TILE = (8192, 4, 2)  # rows up to 512 wide
 

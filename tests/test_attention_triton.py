@@ -436,7 +436,7 @@ def test_gpu_every_tile(tile, monkeypatch):
 # Head dims padded inside the kernel with a narrower value head. Without block_dims' widening,
 # Triton 3.6 on an H100 gave wrong outputs for the first two (and an illegal memory access with
 # MQA + padding + float mask: out-of-range shared memory under compute-sanitizer); the others
-# passed with and without it (benchmarks/results/cuda-h100-gpu-tests-2026-11-23.txt).
+# passed with and without it (git show e4a4db1:benchmarks/results/cuda-h100-gpu-tests-2026-11-23.txt).
 _PADDED_NARROW_VALUE = [(24, 11), (40, 23), (40, 16), (80, 23), (192, 128), (200, 100)]
 
 

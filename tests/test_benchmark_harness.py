@@ -99,6 +99,9 @@ def test_markdown_table_and_plots(harness):
     assert "| case | N | naive reference | torch SDPA | ours softmax | ours linear | PyTorch linear |" in md
     assert "| non-causal, fwd | 16 |" in md and "| causal, fwd+bwd | 32 |" in md
     assert "## All measurements" in md
+    # the method as prose: no heading repeated after its label, no reStructuredText double backticks
+    assert "- Time: CPU: the implementations" in md and "- Memory: CUDA: `torch.cuda" in md
+    assert "Time: Time." not in md and "``" not in md
     pngs = sorted(out.glob("smoke-*.png"))
     names = {p.name for p in pngs}
     assert {"smoke-attention-time.png", "smoke-attention-memory.png", "smoke-layer_norm-time.png",
@@ -111,6 +114,69 @@ def test_markdown_table_and_plots(harness):
     # the console: the table and the crossover statements
     assert "Crossover (non-causal, forward):" in stdout and "Crossover (causal, forward+backward):" in stdout
     assert "| non-causal, fwd | 16 |" in stdout
+
+
+def test_progress_in_a_log_is_plain_lines():
+    """Where stderr is not a terminal (a log, CI), one line per case instead of a progress bar's
+    carriage returns."""
+    tiny = [a for a in TINY if a != "--no-progress"]
+    proc = _bench(*tiny, "--smoke", "--only", "layer_norm", "--no-plots", "--out", "/tmp", "--name", "progress-check")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    n = len(lines)
+    assert "\r" not in proc.stderr and n >= 2 and lines[0].startswith(f"[1/{n}] layer_norm"), proc.stderr[-2000:]
+    assert lines[-1].startswith(f"[{n}/{n}] "), lines
+
+
+def test_log_axes_tick_every_power_of_two():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([128, 256, 512], [0.3, 2.0, 20.0])
+    report._log_axes(ax, {128, 256, 512}, [0.3, 2.0, 20.0], "ms", "t")
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["1/4", "1/2", "1", "2", "4", "8", "16", "32"], labels
+    ax.cla()
+    report._log_axes(ax, {128, 256}, [19.0, 21.0], "MiB", "t")  # within a power of two: quarters labelled too
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels()][:6] == ["16", "20", "24", "28", "32", "40"]
+    plt.close(fig)
+
+
+def test_best_figure_of_a_group():
+    assert tables._best([(1.2, "a"), (0.8, "b")]) == "**1.20x** (a); 0.80-1.20x over 2 cases"
+    assert tables._best([(3.0, "only")]) == "**3.00x** (only)"
+    assert tables._best([(None, "not run")]) is None
+
+
+def test_results_folder_keeps_what_the_index_lists():
+    """benchmarks/results/ keeps the latest run per device and suite, at most 30 files: each is
+    listed in INDEX.md (a sweep's plots through its Markdown), older runs are in git history."""
+    folder = Path(summary.RESULTS)
+    names = sorted(p.name for p in folder.iterdir())
+    index = (folder / "INDEX.md").read_text()
+    linked = {n for n in names if f"]({n})" in index}
+    plots = {n for n in names if n.endswith(".png") and any(
+        f"]({n})" in (folder / m).read_text() for m in linked if m.endswith(".md"))}
+    json_twins = {n for n in names if n.endswith(".json") and n[:-5] + ".md" in linked}
+    assert len(names) <= 30, names
+    assert set(names) - {"INDEX.md"} - linked - plots - json_twins == set()
+    assert "git log --diff-filter=D" in index
+
+
+def test_readme_headline_is_short_and_names_its_results():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split(tables.BEGIN)[1].split(tables.END)[0].strip().splitlines()
+    assert 3 <= len(block) <= 25, len(block)
+    rows = [line for line in block if line.startswith("| ") and "](" in line]
+    assert rows and all((Path(summary.RESULTS) / link.split("](benchmarks/results/")[1].split(")")[0]).exists()
+                        for row in rows for link in row.split("[`")[1:]), rows
+    performance = (REPO / "docs" / "performance.md").read_text()
+    assert performance.count("\n| ") > 3 * len(rows)  # the full tables live there
 
 
 class _Args:
@@ -574,8 +640,8 @@ def test_generated_block_replaces_only_its_own_lines():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_tile_sweep_launches_the_planned_forward(causal):
     """benchmarks/tools/sweep_attention_tiles_gpu's forward launch (the bare kernel with an explicit
-    tile, as attention_forward plans it) gives the float64 result for tiles other than the table's;
-    it runs on lent GPUs with no time to find out there."""
+    tile, as attention_forward plans it) gives the float64 result for tiles other than the table's,
+    checked here so that a GPU run does not spend its time finding out."""
     from benchmarks.tools import sweep_attention_tiles_gpu as sweep
 
     g = torch.Generator().manual_seed(0)
