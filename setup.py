@@ -9,6 +9,7 @@ import os
 import runpy
 import shutil
 import sys
+import sysconfig
 
 from setuptools import setup
 
@@ -52,7 +53,18 @@ def extension_modules():
 
 def _optional_build_ext(base):
     class OptionalBuildExtension(base):
-        """A failed compile must not fail the install: the JIT build or the reference take over."""
+        """A failed compile must not fail the install: the JIT build or the reference take over.
+
+        The objects and the built module live in the source tree's build/ folder, whatever the
+        command: `pip install -e` builds in temporary folders otherwise, so a second install (the
+        README's second command, after its first) compiled every source again. Here ninja recompiles
+        only what changed, and an up-to-date module is not linked again."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", f"temp.{tag}")
+            self.build_lib = os.path.join(ROOT, "build", f"lib.{tag}")
 
         def run(self):
             try:
