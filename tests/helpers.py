@@ -87,10 +87,16 @@ def kernel_device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def unavailable_reason(backend):
+    """None where ``backend`` runs on some device here, else why it does not (on CPU tensors)."""
+    status = tf.available_backends()[backend]
+    return None if "ok" in status.values() else status["cpu"]
+
+
 # A module of Triton tests: marked `triton`, skipped (with the reason) where the backend cannot run.
 TRITON_TESTS = [pytest.mark.triton,
-                pytest.mark.skipif(tf.available_backends()["triton"] is not None,
-                                   reason=f"triton backend unavailable: {tf.available_backends()['triton']}")]
+                pytest.mark.skipif(unavailable_reason("triton") is not None,
+                                   reason=f"triton backend unavailable: {unavailable_reason('triton')}")]
 
 
 # The backends a test parametrized over "backend" runs on, and the low-precision dtype each is tested
@@ -101,7 +107,7 @@ LOW_PRECISION = {"reference": torch.float32, "cpp": torch.bfloat16, "triton": to
 
 def need_backend(backend):
     """Skips the calling test, with the reason, where ``backend`` is unavailable."""
-    reason = tf.available_backends()[backend]
+    reason = unavailable_reason(backend)
     if reason is not None:
         pytest.skip(f"{backend} backend unavailable: {reason}")
 

@@ -170,8 +170,8 @@ def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
     """With the same seed the CUDA kernels drop the same probabilities as the CPU kernel (one hash,
     csrc/attention.h), in the forward and when the backward regenerates the mask. (The CPU
     kernel's dropout is checked against the reference with its recovered mask in test_attention.py.)"""
-    reason = _backends.available_backends()["cpp"]
-    if reason is not None:
+    reason = _backends.available_backends()["cpp"]["cpu"]
+    if reason != "ok":
         pytest.skip(f"C++ backend unavailable: {reason}")
     B, H, Hk, Nq, Nk, D, p, seed = 2, 2, 1, 19, 37, 24, 0.3, 4321
     q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)
@@ -227,8 +227,8 @@ def test_float32_mask_with_half_precision_query(emulation):
 def test_mask_gradient_with_dropout_matches_the_cpu_kernel(emulation):
     """With dropout, the dS the CUDA dQ kernel writes is the CPU kernel's (one dropout hash; the CPU
     kernel's dS is checked against float64 with its recovered keep mask in test_attention_mask_grad.py)."""
-    reason = _backends.available_backends()["cpp"]
-    if reason is not None:
+    reason = _backends.available_backends()["cpp"]["cpu"]
+    if reason != "ok":
         pytest.skip(f"C++ backend unavailable: {reason}")
     B, H, Hk, Nq, Nk, D, p, seed, scale = 2, 2, 1, 19, 37, 24, 0.3, 4321, 0.2
     q, k, v = make_qkv(B, H, Nq, Nk, D, Hk=Hk)

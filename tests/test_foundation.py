@@ -162,12 +162,19 @@ def test_torch_older_than_the_sources_need_is_named():
     assert '"torch>=2.11"' in setup
 
 
-def test_available_backends_reports_reasons():
+def test_available_backends_says_which_run_on_which_device():
+    """{backend: {device: "ok" or why not}}; it said None for a working backend."""
+    from transformer_fast import _backends
     backends = tf.available_backends()
     assert set(backends) == {"triton", "cpp", "reference"}
-    assert backends["reference"] is None
-    for name, reason in backends.items():
-        assert reason is None or isinstance(reason, str) and reason
+    assert backends["reference"]["cpu"] == "ok" and backends["cpp"]["cpu"] == "ok"  # this extension is built
+    for status in backends.values():
+        assert set(status) == {"cpu", "cuda"}
+        assert all(isinstance(s, str) and s for s in status.values()), status
+    if not torch.cuda.is_available():
+        assert all("no CUDA device" in status["cuda"] for status in backends.values())
+    expected = "ok" if _backends.triton_interpreting() else _backends.unavailable_reason("triton", torch.device("cpu"))
+    assert backends["triton"]["cpu"] == expected
 
 
 def test_jit_trace_records_the_op():
@@ -426,7 +433,7 @@ def _run_python(code, tmp_path, extra_env=None):
 def test_import_without_triton(tmp_path):
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, transformer_fast as tf\n"
-            "reason = tf.available_backends()['triton']\n"
+            "reason = tf.available_backends()['triton']['cpu']\n"
             "assert reason and 'triton' in reason.lower(), reason\n"
             "q = torch.randn(1, 2, 3, 8)\n"
             "torch.testing.assert_close(tf.scaled_dot_product_attention(q, q, q),\n"

@@ -10,7 +10,8 @@ from transformer_fast import _backends, _build, reference
 from attention_cases import make_qkv
 from helpers import compare_with_reference
 
-CPP_REASON = tf.available_backends()["cpp"]
+CPP_STATUS = tf.available_backends()["cpp"]["cpu"]
+CPP_REASON = None if CPP_STATUS == "ok" else CPP_STATUS
 BACKENDS = ["reference", pytest.param("cpp", marks=pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON)))]
 
 

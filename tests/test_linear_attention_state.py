@@ -18,7 +18,8 @@ from attention_cases import make_qkv, random_key_padding
 from helpers import assert_close_to_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CPP_REASON = tf.available_backends()["cpp"]
+CPP_STATUS = tf.available_backends()["cpp"]["cpu"]
+CPP_REASON = None if CPP_STATUS == "ok" else CPP_STATUS
 TRITON_REASON = _backends.unavailable_reason("triton", torch.device(DEVICE))
 CPP = pytest.param("cpp", marks=pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON)))
 TRITON = pytest.param("triton", marks=[pytest.mark.triton,

@@ -106,9 +106,30 @@ def unavailable_reason(backend: str, device: torch.device | None, dtype: torch.d
             f"{', '.join(cuda_families) or 'none in this build'}), got {device.type} tensors")
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _device_status(backend: str, device_type: str) -> str:
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here (torch.cuda.is_available() is False)"
+    device = torch.device(device_type)
+    reasons = {family: unavailable_reason(backend, device, None, family) for family in FAMILIES}
+    if all(reason is None for reason in reasons.values()):
+        return "ok"
+    served = [family for family, reason in reasons.items() if reason is None]
+    if not served:
+        return next(iter(reasons.values()))
+    others = [family for family in FAMILIES if family not in served]
+    return f"ok for {', '.join(served)} only; {', '.join(others)}: {reasons[others[0]]}"
+
+
 def available_backends() -> dict:
-    """{backend: None if it works on this machine, else the reason it does not}."""
-    return {name: unavailable_reason(name, None) for name in BACKENDS}
+    """Which backend runs on which device here: {backend: {"cpu": status, "cuda": status}}, a
+    status being "ok" (every kernel family runs on that device's tensors) or why it does not (for
+    a backend serving some families only: "ok for <families> only; <the others>: <why>"). The
+    Triton backend is "ok" on CPU tensors under TRITON_INTERPRET=1, where its bfloat16 kernels
+    are refused (the interpreter's bfloat16 arithmetic is wrong; the error says so)."""
+    return {name: {device: _device_status(name, device) for device in DEVICE_TYPES} for name in BACKENDS}
 
 
 def _triton_on_cuda() -> bool:
