@@ -33,12 +33,18 @@ struct CpuProblem {
   std::vector<int64_t> lse_sizes() const {
     return p.packed() ? std::vector<int64_t>{p.H, p.Tq} : std::vector<int64_t>{p.B, p.H, p.Nq};
   }
-  // Packed query rows after the last sequence belong to none: out 0, lse +inf.
+  // Packed query rows after the last sequence belong to none: rows with no allowed key, so out 0
+  // and lse the sink (or +inf), as the contract and the other backends give them.
   void fill_rows_outside_sequences(at::Tensor& out, at::Tensor& lse) const {
     if (!p.packed()) return;
     const int64_t end = p.cu_seq_q[p.B];
     out.narrow(0, end, p.Tq - end).zero_();
-    lse.narrow(1, end, p.Tq - end).fill_(std::numeric_limits<float>::infinity());
+    at::Tensor rows = lse.narrow(1, end, p.Tq - end);
+    if (sinks.defined()) {
+      rows.copy_(sinks.view({p.H, 1}).expand_as(rows));
+    } else {
+      rows.fill_(std::numeric_limits<float>::infinity());
+    }
   }
   // With no key in any sequence: out 0 and lse the sink (or +inf) on every row of a sequence.
   void fill_keyless(at::Tensor& out, at::Tensor& lse) const {

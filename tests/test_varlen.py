@@ -330,6 +330,30 @@ def test_transforms_keep_the_rows_after_the_last_sequence(q_offsets, with_sinks)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_after_the_last_sequence(backend):
+    """Packed rows of no sequence are rows with no allowed key: out 0, lse the sink (or +inf),
+    with and without sinks, on every backend; their gradients are 0 and the sinks' gradient
+    takes nothing from them."""
+    q, k, v, cu_q, cu_k = make_pack([3, 4], [5, 2], D=8)
+    q, k, v = (torch.cat([t, torch.randn(n, 2, 8, device=_device())]) for t, n in ((q, 2), (k, 1), (v, 1)))
+    for sinks in (None, torch.tensor([0.5, -1.25], device=_device())):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
+        extra = {} if sinks is None else {"sinks": inputs[3]}
+        out, lse = tf.varlen_attn(*inputs[:3], cu_q, cu_k, 4, 5, return_aux=tf.AuxRequest(lse=True), backend=backend,
+                                  **extra)
+        assert out.shape == (9, 2, 8) and not out[7:].any()
+        expected = torch.full((2, 2), torch.inf, device=_device()) if sinks is None else sinks[:, None].expand(2, 2)
+        assert torch.equal(lse[:, 7:], expected), (backend, lse[:, 7:])
+        out.square().sum().backward()
+        assert not inputs[0].grad[7:].any() and not inputs[1].grad[7:].any() and not inputs[2].grad[7:].any()
+        if sinks is not None:
+            sinks64 = sinks.double().requires_grad_()
+            reference.varlen_attention(*(t.detach().double() for t in inputs[:3]), cu_q, cu_k,
+                                       sinks=sinks64).square().sum().backward()
+            assert (inputs[3].grad.double() - sinks64.grad).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_max_lengths_beyond_the_pack(backend):
     """max_q and max_k are bounds: values past what the pack holds give the result of the exact
     ones, forward and backward. (The Triton launcher sized its grid by them: 2**40 overflowed the
