@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import sys
 import time
@@ -42,24 +43,35 @@ SEQ_LENS = {"cpu": ([128, 256, 512, 1024, 2048], [64, 128, 256, 512, 1024, 2048,
 TRAIN_SEQ_LENS = {"cpu": ([64, 128, 256, 512], [64, 128, 256, 512, 1024, 2048]),
                   "cuda": ([512, 1024, 2048, 4096], [512, 1024, 2048, 4096, 8192])}
 
+# The suites that write a result file of their own (run_target): name -> ("module.function", what it
+# measures). The function takes the parsed arguments and returns the result's body; the module's
+# markdown(result) writes its record. A new suite is one line here.
+TARGETS = {
+    "target_cpu_attention": ("targets.attention",
+                             "C++ attention against F.sdpa, fp32 and bf16, N=2048: the CPU attention target"),
+    "target_cpu_layer_norm": ("targets.layer_norm",
+                              "fused residual + LayerNorm against torch, 4096 x 1024, and GB/s against a copy"),
+    "target_cpu_linear_attention": ("targets.linear_attention",
+                                    "C++ causal linear attention against PyTorch ones, N=4096; memory; crossover"),
+    "linear_state": ("linear_state.run",
+                     "C++ causal linear attention prefill with a carried state against without one, N=4096"),
+    "target_gpu_attention": ("target_gpu.run",
+                             "Triton attention against torch's SDPA (its own backend choice), bf16/fp16 grid (GPU)"),
+    "varlen": ("varlen.run",
+               "C++ attention on a pack of unequal sequences, a 512-key window at 16k and a decoding step (CPU)"),
+    "target_gpu_varlen": ("target_gpu_varlen.run",
+                          "Triton varlen (vs torch varlen_attn), split decoding at 32k, a 4k window at 32k (GPU)"),
+    "host": ("host.run", "host cost per call of each public function on tiny tensors, one thread, against torch's"),
+    "models": ("models.run",
+               "BERT encoder, Llama-like decoder (training, generate), encoder-decoder: ours against the sdpa model"),
+}
 SUITES = {
     "attention": "sweep over N: naive, torch SDPA, ours softmax and linear, PyTorch linear attention",
     "layer_norm": "sweep over N: LayerNorm, ours (fused residual) against torch",
     "train_step": "sweep over N: one training step of our encoder-decoder against nn.Transformer",
-    "target_cpu_attention": "C++ attention against F.sdpa, fp32 and bf16, N=2048: the CPU attention target",
-    "target_cpu_layer_norm": "fused residual + LayerNorm against torch, 4096 x 1024, and GB/s against a copy",
-    "target_cpu_linear_attention": "C++ causal linear attention against PyTorch ones, N=4096; memory; crossover",
-    "linear_state": "C++ causal linear attention prefill with a carried state against without one, N=4096",
-    "target_gpu_attention": "Triton attention against torch's SDPA (its own backend choice), bf16/fp16 grid (GPU)",
-    "varlen": "C++ attention on a pack of unequal sequences, a 512-key window at 16k and a decoding step (CPU)",
-    "target_gpu_varlen": "Triton varlen (vs torch varlen_attn), split decoding at 32k, a 4k window at 32k (GPU)",
-    "host": "host cost per call of each public function on tiny tensors, one thread, against torch's",
-    "models": "BERT encoder, Llama-like decoder (training, generate), encoder-decoder: ours against the sdpa model",
+    **{name: text for name, (_, text) in TARGETS.items()},
     "gpu": "install check, the gpu-marked tests, the sweep, target_gpu_attention and _varlen on the GPU, results index",
 }
-# the suites that run_target runs (each writes its own result file)
-TARGETS = ("target_cpu_attention", "target_cpu_layer_norm", "target_cpu_linear_attention", "target_gpu_attention",
-           "target_gpu_varlen", "host", "models", "linear_state", "varlen")
 __doc__ = __doc__.format(suites="\n".join(f"  {name:<28} {text}" for name, text in SUITES.items()))
 # --smoke: sizes small enough to check that a suite runs end to end in seconds (not measurements)
 SMOKE = {"seq_lens": [16, 32], "batch": 1, "heads": 2, "head_dim": 16, "repeats": 2, "min_repeats": 2, "budget": 0.0,
@@ -329,13 +341,10 @@ def run_target(suite, args):
 
     import transformer_fast
 
-    from . import host, linear_state, measure, models, report, target_gpu, target_gpu_varlen, targets, varlen
+    from . import measure, report
 
-    runners = {**targets.SUITES, "target_gpu_attention": target_gpu.run, "target_gpu_varlen": target_gpu_varlen.run,
-               "host": host.run, "models": models.run, "linear_state": linear_state.run, "varlen": varlen.run}
-    markdowns = {"target_gpu_attention": target_gpu.markdown, "target_gpu_varlen": target_gpu_varlen.markdown,
-                 "host": host.markdown, "models": models.markdown, "linear_state": linear_state.markdown,
-                 "varlen": varlen.markdown}
+    module_name, function = TARGETS[suite][0].rsplit(".", 1)
+    module = importlib.import_module(f"{__package__}.{module_name}")
     if suite == "models":
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     else:
@@ -351,7 +360,7 @@ def run_target(suite, args):
     load_start = _load_average()
     print(f"{suite} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     backends = transformer_fast.available_backends()
-    body = runners[suite](args)
+    body = getattr(module, function)(args)
     result = {
         "schema_version": 1, "suite": suite, "smoke": args.smoke,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -363,7 +372,7 @@ def run_target(suite, args):
     }
     stem = f"{args.name}-{suite}" if args.name else \
         f"{result['device']['slug']}-{suite}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
-    paths = report.write_suite(result, args.out, stem, markdowns.get(suite, targets.markdown))
+    paths = report.write_suite(result, args.out, stem, module.markdown)
     print("wrote " + ", ".join(os.path.relpath(p) for p in paths), flush=True)
     rows = body.get("rows") or body.get("results") or [body]
     wrong = [r for r in rows if r.get("status") == "wrong"]

@@ -215,10 +215,6 @@ def linear_attention(args):
     return result
 
 
-SUITES = {"target_cpu_attention": attention, "target_cpu_layer_norm": layer_norm,
-          "target_cpu_linear_attention": linear_attention}
-
-
 def markdown(result):
     """The Markdown record of a target suite's result."""
     from .report import header_block
