@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <cmath>
+#include <limits>
 
 namespace transformer_fast {
 namespace {
@@ -43,6 +44,13 @@ at::Tensor alibi_view(const at::Tensor& slopes, const c10::SymInt& B, const c10:
 void set_extras(AttentionArgs& a, const c10::SymInt& B, const c10::SymInt& H, at::OptionalIntArrayRef window_size,
                 std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
                 const std::optional<at::Tensor>& sinks) {
+  // The kernels compute in float32 but for float64 inputs, where a scale beyond float32's range
+  // would be inf (NaN outputs).
+  const bool in_float32 = stats_dtype(a.q) == at::kFloat;
+  constexpr double kFloat32Max = std::numeric_limits<float>::max();
+  TORCH_CHECK_VALUE(!in_float32 || std::abs(a.scale) <= kFloat32Max, "scale must be within float32's range, |scale| <= ",
+                    kFloat32Max, ", for ", dtype_name(a.q.scalar_type()), " inputs (the kernels compute in float32), got ",
+                    a.scale);
   if (window_size.has_value()) {
     check_window(*window_size);
     a.x.window_left = (*window_size)[0];
@@ -51,7 +59,10 @@ void set_extras(AttentionArgs& a, const c10::SymInt& B, const c10::SymInt& H, at
   if (softcap.has_value()) {
     TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0.0, "softcap must be a positive finite number or None, got ",
                       *softcap);
-    a.x.softcap = *softcap;
+    // A softcap at or above 2^127 caps nothing float32 holds (softcap * tanh(s / softcap) = s to
+    // float32 precision for |s| < 2^115), and the Triton kernels' softcap * log2(e) would overflow:
+    // in float32 it means no capping.
+    a.x.softcap = in_float32 && *softcap >= 0x1p127 ? 0.0 : *softcap;
   }
   if (alibi_slopes.has_value()) a.x.alibi_slopes = alibi_view(*alibi_slopes, B, H, a.q);
   if (sinks.has_value()) {

@@ -110,6 +110,10 @@ void rows_times_values(const float* P, int64_t ldP, int64_t R, const T* const* v
 // 1 / (1 - p). A row with no allowed key (m = -inf) gives 0 and lse = sink, or +inf without a
 // sink. acc is scaled in place; returns lse.
 inline float finish_row(float m, float l, float* acc, int64_t Dv, float sink, float out_scale) {
+  if (sink == kInf) {  // a +inf sink takes the whole row: out 0, lse +inf (exp(sink - top) would be NaN)
+    std::fill(acc, acc + Dv, 0.f);
+    return kInf;
+  }
   if (l == 0.f) {  // no allowed key (NaN goes on: a NaN score makes the row NaN, as it should)
     std::fill(acc, acc + Dv, 0.f);
     return sink == kNegInf ? kInf : sink;

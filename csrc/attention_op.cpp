@@ -35,7 +35,8 @@ namespace {
 // (B, H, Nq), packed (H, Tq). (H,), in lse's dtype.
 at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks, bool packed) {
   const at::Tensor sink = packed ? sinks.unsqueeze(1) : sinks.view({1, -1, 1});
-  const at::Tensor weighted = at::exp(sink - lse) * delta;
+  // P_sink = 1 where lse = sink (a row with no allowed key, or a +inf sink: exp(inf - inf) is NaN)
+  const at::Tensor weighted = at::where(sink == lse, delta, at::exp(sink - lse) * delta);
   return packed ? -weighted.sum(1) : -weighted.sum(at::IntArrayRef{0, 2});
 }
 

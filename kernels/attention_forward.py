@@ -113,7 +113,8 @@ def _fwd_store(acc, l_i, m_i, out_base, out_offs, lse_ptrs, part_base, part_offs
             m_fin = tl.maximum(m_i, sink2)
             m_base = tl.where(m_fin == float("-inf"), 0.0, m_fin)
             alpha = tl.exp2(m_i - m_base)
-            l_i = l_i * alpha + tl.exp2(sink2 - m_base)
+            # a +inf sink takes the whole row: l_i 0 (not inf - inf = NaN), alpha 0, so out 0, lse +inf
+            l_i = tl.where(sink2 == float("inf"), 0.0, l_i * alpha + tl.exp2(sink2 - m_base))
             empty = l_i == 0.0
             inv_l = alpha / tl.where(empty, 1.0, l_i)
             lse = tl.where(m_i == float("-inf"), sink,

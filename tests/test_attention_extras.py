@@ -225,3 +225,74 @@ def test_bad_extras_are_refused(kwargs, error, words):
     q, k, v = make_qkv(1, 2, 5, 5, 8)
     with pytest.raises(error, match=words):
         tf.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arguments_beyond_float32_range(backend):
+    """The kernels compute in float32 (float64 inputs aside), where a value beyond float32's range
+    is inf (NaN outputs before). A scale or float64 ALiBi slopes beyond it are refused, naming
+    the argument; a softcap at or above 2^127 caps nothing (softcap * tanh(s / softcap) = s to
+    float32 precision); a float64 sink beyond it is a +-inf sink: -inf joins no row, +inf takes
+    every row of its head (out 0, lse +inf, 0 gradients, its own gradient 0). Against float64."""
+    from helpers import assert_close_to_reference
+    q, k, v = make_qkv(1, 2, 5, 7, 8, device=_device())
+    with pytest.raises(ValueError, match="scale must be within float32's range"):
+        tf.scaled_dot_product_attention(q, k, v, scale=-1e39, backend=backend)
+    for slope in (1e39, -1e39):
+        with pytest.raises(ValueError, match="alibi_slopes must be within float32's range"):
+            tf.scaled_dot_product_attention(q, k, v, backend=backend,
+                                            alibi_slopes=torch.tensor([0.5, slope], dtype=torch.float64, device=_device()))
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    for softcap in (1e39, 2.0**127):
+        out = tf.scaled_dot_product_attention(q, k, v, softcap=softcap, backend=backend)
+        expected = reference.scaled_dot_product_attention(q64, k64, v64, softcap=softcap)
+        assert_close_to_reference(out, expected, reference.scaled_dot_product_attention(q, k, v),
+                                  what=f"softcap {softcap:g}")
+    for sink in (1e39, float("inf"), -1e39):
+        sinks = torch.tensor([sink, 0.3], dtype=torch.float64, device=_device(), requires_grad=True)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = tf.scaled_dot_product_attention(*inputs, sinks=sinks, backend=backend)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, [*inputs, sinks], dout)
+        inputs64 = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+        sinks64 = torch.tensor([1e39 if sink > 0 else -1e39, 0.3], dtype=torch.float64, requires_grad=True)
+        out64 = reference.scaled_dot_product_attention(*inputs64, sinks=sinks64.to(_device()))
+        grads64 = torch.autograd.grad(out64, [*inputs64, sinks64], dout.double())
+        # the float32 reference with a finite sink on head 0: its head 1 is head 1's reference
+        inputs32 = [t.clone().requires_grad_() for t in (q, k, v)]
+        out32 = reference.scaled_dot_product_attention(*inputs32, sinks=torch.tensor([0.0, 0.3], device=_device()))
+        grads32 = torch.autograd.grad(out32, inputs32, dout)
+        if sink > 0:
+            assert not out[:, 0].any() and not any(g[:, 0].any() for g in grads[:3]) and grads[3][0] == 0, sink
+        else:
+            assert_close_to_reference(out[:, 0], out64[:, 0], reference.scaled_dot_product_attention(q, k, v)[:, 0])
+        assert_close_to_reference(out[:, 1], out64[:, 1], out32[:, 1], what=f"sink {sink:g} output")
+        for name, g, g64, g32 in zip("qkv", grads, grads64, grads32):
+            assert_close_to_reference(g[:, 1], g64[:, 1], g32[:, 1], what=f"sink {sink:g} d{name}")
+        assert abs(float(grads[3][1]) - float(grads64[3][1])) < 1e-5
+        packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # one sequence; lse through varlen_attn
+        cu = torch.tensor([0, 5], dtype=torch.int32, device=_device())
+        for splits in (1, 3):
+            out, lse = tf.varlen_attn(*packed, cu, torch.tensor([0, 7], dtype=torch.int32, device=_device()), 5, 7,
+                                      sinks=sinks.detach(), num_splits=splits, return_aux=tf.AuxRequest(lse=True),
+                                      backend=backend)
+            if sink > 0:
+                assert not out[:, 0].any() and torch.equal(lse[0], torch.full_like(lse[0], torch.inf)), (sink, splits)
+            assert torch.isfinite(lse[1]).all() and torch.isfinite(out).all()
+
+
+def test_infinite_sink_under_second_derivatives():
+    """The differentiable form (create_graph=True, torch.func) with a +inf sink: its head's rows are
+    0 with 0 gradients, as the kernels give (inf - inf made them NaN); the other head's gradients
+    are the first-order ones."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 5, 7, 8))
+    sinks = torch.tensor([float("inf"), 0.3], requires_grad=True)
+    out = tf.scaled_dot_product_attention(q, k, v, sinks=sinks)
+    firsts = torch.autograd.grad(out.square().sum(), (q, k, v, sinks), create_graph=True)
+    plain = torch.autograd.grad(tf.scaled_dot_product_attention(q, k, v, sinks=sinks).square().sum(), (q, k, v, sinks))
+    for first, expected in zip(firsts, plain):
+        assert torch.isfinite(first).all()
+        torch.testing.assert_close(first.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert firsts[3][0] == 0 and not firsts[0][:, 0].any()
+    seconds = torch.autograd.grad(sum(f.sum() for f in firsts), (q, k, v, sinks))
+    assert all(torch.isfinite(s).all() for s in seconds) and seconds[3][0] == 0

@@ -88,9 +88,9 @@ class Attention(torch.autograd.Function):
 def sinks_gradient(delta, lse, sinks, packed):
     """d loss / d sinks (csrc/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * delta,
     delta = sum_j P_ij dP_ij from the backward kernel (lse-shaped: (B, H, Nq), packed (H, Tq))."""
-    if packed:
-        return -(torch.exp(sinks[:, None] - lse) * delta).sum(1)
-    return -(torch.exp(sinks[None, :, None] - lse) * delta).sum((0, 2))
+    sink = sinks[:, None] if packed else sinks[None, :, None]
+    weighted = torch.where(sink == lse, delta, torch.exp(sink - lse) * delta)  # P_sink = 1 where lse = sink (+inf)
+    return -weighted.sum(1) if packed else -weighted.sum((0, 2))
 
 
 class LayerNorm(torch.autograd.Function):

@@ -73,16 +73,25 @@ def softmax_with_sinks(scores, sinks=None):
         shift = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     else:
         shift = scores.detach().amax(dim=-1, keepdim=True)
+    swamped = None
     if sinks is not None:
-        shift = torch.maximum(shift, sinks.detach().to(scores.dtype)[None, :, None, None])
+        sink = sinks.to(scores.dtype)[None, :, None, None]
+        # A +inf sink takes its rows (p 0, lse +inf, no gradient): computed with 0 in its place
+        # and overwritten, as inf - inf would make the result and its gradients NaN.
+        swamped = sink.detach() == float("inf")
+        sink = torch.where(swamped, torch.zeros_like(sink), sink)
+        shift = torch.maximum(shift, sink.detach())
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     terms = torch.exp(scores - shift)
     denominator = terms.sum(dim=-1, keepdim=True)
     if sinks is not None:
-        denominator = denominator + torch.exp(sinks.to(scores.dtype)[None, :, None, None] - shift)
+        denominator = denominator + torch.exp(sink - shift)
     empty = denominator == 0
     probs = terms / torch.where(empty, torch.ones_like(denominator), denominator)
     lse = torch.where(empty, torch.full_like(denominator, float("inf")), shift + torch.log(denominator))
+    if swamped is not None:
+        probs = torch.where(swamped, torch.zeros_like(probs), probs)
+        lse = torch.where(swamped, torch.full_like(lse, float("inf")), lse)
     return probs, lse.squeeze(-1)
 
 

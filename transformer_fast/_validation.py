@@ -47,6 +47,17 @@ def check_int64(name, value, what=None):
         raise ValueError(f"{name} must fit in int64, [-2**63, 2**63 - 1], got {what if what is not None else value}")
 
 
+def check_float32_range(name, t, query):
+    """A float64 tensor the kernels read in float32 (with inputs other than float64) must hold no
+    value beyond float32's range: it would become inf there (ALiBi: inf * 0 = NaN scores)."""
+    if (isinstance(t, torch.Tensor) and t.dtype == torch.float64 and isinstance(query, torch.Tensor)
+            and query.dtype != torch.float64):
+        largest = float(t.detach().abs().max()) if t.numel() else 0.0
+        if largest > torch.finfo(torch.float32).max:
+            raise ValueError(f"{name} must be within float32's range, |value| <= {torch.finfo(torch.float32).max:.8g}, "
+                             f"for {query.dtype} inputs (the kernels take it in float32), got {largest:g}")
+
+
 def real_scalar(name, value, optional=True):
     """Any real scalar (a Python or NumPy number, a one-element tensor) as a float; None passes
     where ``optional``."""

@@ -39,7 +39,9 @@ softcap > 0, then s -= slope[b, h] * |i + Nk - Nq - j| with ALiBi (alibi_slopes 
 view), then s += attn_mask where it is float. out_i = sum_j p_ij v_j with p_ij = exp(s_ij - lse_i)
 and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])), the sink term only with sinks ((H,) float32:
 one logit per head that joins every row's softmax with no value). A row with no allowed key gives
-out 0 and lse = sinks[h], or +inf without sinks (so exp(s - lse) is 0 there).
+out 0 and lse = sinks[h], or +inf without sinks (so exp(s - lse) is 0 there). A +inf sink takes
+every row of its head: out 0, lse +inf and P_sink = 1 (taken as 1 where lse = sinks[h], not
+exp(inf - inf)), so the head's gradients are 0, the sink's own included; -inf is no sink.
 
 Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p), as a function of
 (seed, the row's lse index, j) that the backward regenerates. seed is None without dropout, else a
@@ -71,7 +73,7 @@ from . import _backends, _build, _explicit
 from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
 from ._layout import empty_in_rows_of
 from ._plain_torch import dmask_dtype
-from ._validation import check_bools, check_int64, real_scalar
+from ._validation import check_bools, check_float32_range, check_int64, real_scalar
 
 _C, _ = _build.load()
 
@@ -174,6 +176,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p = _dropout_p(dropout_p)
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
+    if alibi_slopes is not None and not dynamo_compiling():
+        check_float32_range("alibi_slopes", alibi_slopes, query)
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
         return _C.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -247,6 +251,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         return_lse = bool(return_aux.lse)
     if type(dropout_p) is not float:
         dropout_p = _dropout_p(dropout_p)
+    if alibi_slopes is not None and not dynamo_compiling():
+        check_float32_range("alibi_slopes", alibi_slopes, query)
     check_tensors(query=query, key=key, value=value, cu_seq_q=cu_seq_q)
     try:
         out, lse = _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), return_lse, scale,
