@@ -22,6 +22,7 @@ from .convert import convert  # noqa: E402
 
 _composite.register()
 _device_kernels.register()
+from .distributed import sharding as _sharding  # noqa: E402,F401  DTensor rules, registered once DTensor loads
 
 __version__ = "0.1.0"
 
