@@ -48,9 +48,9 @@ void set_extras(AttentionArgs& a, const c10::SymInt& B, const c10::SymInt& H, at
   // would be inf (NaN outputs).
   const bool in_float32 = stats_dtype(a.q) == at::kFloat;
   constexpr double kFloat32Max = std::numeric_limits<float>::max();
-  TORCH_CHECK_VALUE(!in_float32 || std::abs(a.scale) <= kFloat32Max, "scale must be within float32's range, |scale| <= ",
-                    kFloat32Max, ", for ", dtype_name(a.q.scalar_type()), " inputs (the kernels compute in float32), got ",
-                    a.scale);
+  TORCH_CHECK_VALUE(!in_float32 || std::abs(a.scale) <= kFloat32Max,
+                    "scale must be within float32's range, |scale| <= ", kFloat32Max, ", for ",
+                    dtype_name(a.q.scalar_type()), " inputs (the kernels compute in float32), got ", a.scale);
   if (window_size.has_value()) {
     check_window(*window_size);
     a.x.window_left = (*window_size)[0];

@@ -239,9 +239,9 @@ def test_arguments_beyond_float32_range(backend):
     with pytest.raises(ValueError, match="scale must be within float32's range"):
         tf.scaled_dot_product_attention(q, k, v, scale=-1e39, backend=backend)
     for slope in (1e39, -1e39):
+        slopes = torch.tensor([0.5, slope], dtype=torch.float64, device=_device())
         with pytest.raises(ValueError, match="alibi_slopes must be within float32's range"):
-            tf.scaled_dot_product_attention(q, k, v, backend=backend,
-                                            alibi_slopes=torch.tensor([0.5, slope], dtype=torch.float64, device=_device()))
+            tf.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, backend=backend)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     for softcap in (1e39, 2.0**127):
         out = tf.scaled_dot_product_attention(q, k, v, softcap=softcap, backend=backend)

@@ -289,7 +289,8 @@ def test_transforms_keep_the_rows_after_the_last_sequence(q_offsets, with_sinks)
 
     out, lse = attention(q, k, v)
     assert out.shape == (9, 2, 8) and not out[tail].any()
-    assert torch.equal(lse[:, tail], (sinks[:, None] if with_sinks else torch.full((2, 1), torch.inf)).expand(2, 9 - q_offsets[-1]))
+    expected_lse = sinks[:, None] if with_sinks else torch.full((2, 1), torch.inf)
+    assert torch.equal(lse[:, tail], expected_lse.expand(2, 9 - q_offsets[-1]))
 
     (out_j, lse_j), (tangent, _) = jvp(attention, (q, k, v), tangents)
     torch.testing.assert_close(out_j, out, atol=1e-12, rtol=0)
