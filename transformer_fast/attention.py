@@ -88,6 +88,10 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, w
     stats = torch.promote_types(q.dtype, torch.float32)
     if cu_seq_q is not None:
         Tq, H, _ = q.shape
+# None unless a context_parallel block is open in some thread; then transformer_fast.distributed.context,
+# whose functions serve that thread's calls on sequence shards and answer NotImplemented to other threads.
+_context_parallel = None
+
         return q.new_empty(Tq, H, v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
     B, H, Nq, _ = q.shape
     return empty_in_rows_of(q, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
@@ -176,7 +180,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p = _dropout_p(dropout_p)
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
+    Inside ``transformer_fast.distributed.context_parallel`` the inputs are sequence shards.
     if alibi_slopes is not None and not dynamo_compiling():
+    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
+        out = _context_parallel.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, window_size,
+            softcap, alibi_slopes, sinks, backend)
+        if out is not NotImplemented:
+            return out
         check_float32_range("alibi_slopes", alibi_slopes, query)
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
@@ -227,7 +238,9 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     longest query sequence, so the last bits may change with the pack (docs/attention.md).
     ``softcap``, ``alibi_slopes`` ((H,) or (B, H)), ``sinks`` ((H,)) and ``dropout_p`` as in
     ``scaled_dot_product_attention``. Returns (Tq, H, Dv), and with ``return_aux.lse`` also the
-    log-sum-exp, (H, Tq) float32 (the layout torch's kernel returns).
+    log-sum-exp, (H, Tq) float32 (the layout torch's kernel returns). Inside
+    ``transformer_fast.distributed.context_parallel`` the inputs are ``shard_packed``'s rows and
+    the cumulative lengths and maxima the whole batch's.
     """
     if scale is not None and type(scale) is not float:
         scale = _check_scale(scale)
@@ -240,6 +253,12 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         check_int64(name, n)
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
+    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
+        out = _context_parallel.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux, scale,
+                                            window_size, enable_gqa, seqused_k, block_table, num_splits, softcap,
+                                            alibi_slopes, sinks, dropout_p, backend)
+        if out is not NotImplemented:
+            return out
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         check_int64("num_splits", num_splits)
     if type(enable_gqa) is not bool:

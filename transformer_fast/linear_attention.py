@@ -29,6 +29,10 @@ from ._validation import check_bools, check_tensor, real_scalar
 
 _C, _ = _build.load()
 
+# None unless a context_parallel block is open in some thread; then transformer_fast.distributed.context,
+# whose functions serve that thread's calls on sequence shards and answer NotImplemented to other threads.
+_context_parallel = None
+
 
 def _state_dtype(q):
     return torch.promote_types(q.dtype, torch.float32)
@@ -86,8 +90,14 @@ def linear_attention(query, key, value, *, is_causal=False, key_padding_mask=Non
     the sums of keys that came before this call (0 without it), so a causal prefill can be split
     into calls that carry the state, and a non-causal call with no keys queries a stored memory.
     ``output_final_state=True`` returns ``(out, LinearAttentionState)``, the state after the last
-    unpadded key. Gradients flow into the initial state and from the final state.
+    unpadded key. Gradients flow into the initial state and from the final state. Inside
+    ``transformer_fast.distributed.context_parallel`` the inputs are sequence shards.
     """
+    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
+        out = _context_parallel.linear_attention(query, key, value, is_causal, key_padding_mask, eps, initial_state,
+                                                 output_final_state, backend)
+        if out is not NotImplemented:
+            return out
     S0, z0 = _state_pair("initial_state", initial_state)
     if type(is_causal) is not bool or type(output_final_state) is not bool:
         check_bools(is_causal=is_causal, output_final_state=output_final_state)
@@ -129,6 +139,8 @@ def linear_attention_step(query, key, value, state=None, *, eps=1e-6):
     It is ``linear_attention`` on one token (causal, ``state`` in, the final state out), so it runs
     on the same kernels, and running it over a sequence equals ``linear_attention(..., is_causal=True)``.
     """
+    if _context_parallel is not None:
+        _context_parallel.linear_attention_step()  # refused inside a context_parallel block
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=3, floating=False)  # the op checks the rest, dtypes included
     B, H, D = query.shape

@@ -69,6 +69,7 @@ import warnings
 
 import torch
 
+from .. import attention as _attention_module  # its _context_parallel: set while a context_parallel block is open
 from ..attention import scaled_dot_product_attention, varlen_attn
 from .huggingface_masks import (_PACKED_TAG, _WINDOW_TAG, _matches_packed, _supports, _tracing,  # noqa: F401
                                 build_attention_mask)
@@ -366,6 +367,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     is read only with ``cu_seq_lens_*`` (elsewhere the mask carries the window). Returns
     (output (B, Lq, H, Dv), None)."""
     _check_kwargs(module, kwargs)
+    if _attention_module._context_parallel is not None and _attention_module._context_parallel.active() is not None:
+        return _context_parallel_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                         position_bias, softcap, s_aux, cu_seq_lens_q, kwargs.get("position_ids"))
     if kwargs.get("output_attentions"):
         warnings.warn(f"attn_implementation={NAME!r} returns no attention weights (output_attentions=True gives "
                       f"None, as 'sdpa' does); use attn_implementation='eager' for them", stacklevel=2)
@@ -436,6 +440,149 @@ def _transformers_import_error(exc):
                        f"failed: {type(exc).__name__}: {exc}")
 
 
+# ------------------------------------------------------------------------------------------------
+# Context parallelism (transformer_fast.distributed.context_parallel): each rank runs the model on
+# its shard of every sequence, with the global position_ids (shard_positions). The masks
+# transformers builds are for the local lengths; the causal structure is global, so inside a block
+# the mask builder returns None for a causal mask (attention_forward passes is_causal), a tagged
+# all-True view for a bidirectional one, and refuses everything else on every rank together.
+# ------------------------------------------------------------------------------------------------
+_CP_BIDIRECTIONAL_TAG = "_transformer_fast_cp_bidirectional"
+_CP_REFUSALS = (  # (what, why), indexed by the code the ranks agree on
+    ("a key/value cache holding earlier tokens, or a static cache", "a context-parallel forward takes whole "
+     "sequences; decode outside the block, and pass use_cache=False or a fresh DynamicCache"),
+    ("sliding-window or chunked attention", "its masks are built for the local lengths"),
+    ("a model-specific mask pattern", "only transformers' causal and bidirectional masks have a global form here"),
+    ("padding (an attention_mask with zeros)", "pack the sequences without padding"),
+    ("position_ids that are not this rank's shard of one sequence per row (packed sequences?)",
+     "transformers separates packed sequences with a mask built for the local lengths; pass "
+     "position_ids=shard_positions(seq_len, group, layout)"),
+)
+
+
+def _attention_mask(*args, **kwargs):
+    """The mask function registered with transformers: ``build_attention_mask``, or inside a
+    ``context_parallel`` block ``_context_parallel_mask``."""
+    router = _attention_module._context_parallel
+    setting = router.active() if router is not None else None
+    if setting is None:
+        return build_attention_mask(*args, **kwargs)
+    return _context_parallel_mask(setting, *args, **kwargs)
+
+
+def _closure_vars(fn):
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+
+def _causal_and_positions(mask_function):
+    """(causal, position_ids) for transformers' causal or bidirectional mask function, as it is or
+    restricted to the sequences transformers read off ``position_ids`` (``and_masks`` of the
+    remapped mask and the packed-sequence mask: then also those position_ids); causal None for
+    any other function."""
+    from transformers import masking_utils as mu
+    if mask_function is None or mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is mu.bidirectional_mask_function:
+        return False, None
+    parts = _closure_vars(mask_function).get("mask_functions")
+    if isinstance(parts, tuple) and len(parts) == 2 and "packed_sequence_mask" in _closure_vars(parts[1]):
+        remapped = _closure_vars(parts[0])
+        base, positions = remapped.get("mask_function"), remapped.get("position_ids")
+        if isinstance(positions, torch.Tensor) and base in (mu.causal_mask_function, mu.bidirectional_mask_function):
+            return base is mu.causal_mask_function, positions
+    return None, None
+
+
+def _context_parallel_mask(setting, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                           attention_mask=None, local_size=None, allow_is_causal_skip=True,
+                           allow_is_bidirectional_skip=False, config=None, **kwargs):
+    """The mask inside a ``context_parallel`` block: None (causal), an all-True view tagged
+    bidirectional, or ValueError on every rank of the group (the ranks agree on the first problem
+    any of them sees: a rank whose shard holds the padding must not leave the others waiting in a
+    collective)."""
+    import torch.distributed as dist
+
+    from ..distributed.sequence import shard_positions
+    from .huggingface_masks import _is_int
+    device = kwargs.get("device", "cpu")
+    causal, positions = _causal_and_positions(mask_function)
+    code = 0
+    if not (_is_int(q_offset) and _is_int(kv_offset)) or q_offset or kv_offset or q_length != kv_length:
+        code = 1
+    elif local_size is not None:
+        code = 2
+    elif kwargs.get("use_vmap") or causal is None:
+        code = 3
+    elif not _tracing(attention_mask) and not _tracing(positions):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            code = 4
+        elif positions is not None:
+            expected = shard_positions(q_length * dist.get_world_size(setting.group), setting.group, setting.layout,
+                                       device=positions.device)
+            code = 0 if torch.equal(positions, expected.expand_as(positions)) else 5
+        agreed = torch.tensor([code], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=setting.group)
+        code = int(agreed)
+    if code:
+        what, why = _CP_REFUSALS[code - 1]
+        raise ValueError(f"attn_implementation={NAME!r} under context_parallel does not support {what}: {why}")
+    if causal:
+        return None
+    mask = torch.ones((), dtype=torch.bool, device=device).expand(batch_size, 1, q_length, kv_length)
+    setattr(mask, _CP_BIDIRECTIONAL_TAG, True)
+    return mask
+
+
+_cp_positions_checked = None  # a weak reference to the last position_ids found to be a shard's
+
+
+def _check_context_parallel_positions(module, position_ids, setting, n_local):
+    """Refuses position_ids 0..n_local-1 (what a model makes when given none) under the head-tail
+    layout over several ranks, where no rank's shard has those positions (so every rank refuses)."""
+    global _cp_positions_checked
+    if not isinstance(position_ids, torch.Tensor) or setting.layout != "head_tail" or _tracing(position_ids):
+        return
+    if _cp_positions_checked is not None and _cp_positions_checked() is position_ids:
+        return
+    import weakref
+
+    import torch.distributed as dist
+    if dist.get_world_size(setting.group) > 1 and position_ids.shape[-1] == n_local and \
+            bool((position_ids == torch.arange(n_local, device=position_ids.device)).all()):
+        raise ValueError(f"{type(module).__name__}: position_ids are 0..{n_local - 1}, the local positions of a "
+                         f"sequence shard (the model's default without position_ids); under context_parallel the "
+                         f"positions are global: pass position_ids=shard_positions(seq_len, group, layout)")
+    _cp_positions_checked = weakref.ref(position_ids)
+
+
+def _context_parallel_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, position_bias,
+                              softcap, s_aux, cu_seq_lens_q, position_ids):
+    """attention_forward inside a ``context_parallel`` block: query/key/value are the local shards;
+    the routed ``scaled_dot_product_attention`` attends over the whole sequence."""
+    def refuse(what, why):
+        raise ValueError(f"{type(module).__name__}: attn_implementation={NAME!r} under context_parallel does not "
+                         f"support {what} ({why})")
+    if cu_seq_lens_q is not None:
+        refuse("cu_seq_lens_q/cu_seq_lens_k", "packed batches: shard them with shard_packed and call varlen_attn")
+    if position_bias is not None:
+        refuse("a position_bias", "a bias is built for the local lengths")
+    if attention_mask is None:  # as sdpa reads a left-out mask
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    elif getattr(attention_mask, _CP_BIDIRECTIONAL_TAG, False):
+        is_causal = False
+    else:
+        refuse("an attention mask other than transformers' causal or bidirectional one",
+               "a mask is built for the local lengths")
+    setting = _attention_module._context_parallel.active()
+    _check_context_parallel_positions(module, position_ids, setting, query.shape[2])
+    heads = query.shape[1]
+    out = scaled_dot_product_attention(query, key, value, dropout_p=float(dropout), is_causal=is_causal, scale=scaling,
+                                       enable_gqa=key.shape[1] != heads, softcap=_softcap(module, softcap),
+                                       sinks=_sinks(module, s_aux, heads))
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register(name: str = NAME):
     """Registers ``attention_forward`` (and ``build_attention_mask``) with transformers under
     ``name``, so that ``attn_implementation=name`` selects it, and makes building a model that
@@ -453,5 +600,5 @@ def register(name: str = NAME):
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers < 4.53 builds masks itself for any registered attention
         return name
-    AttentionMaskInterface.register(name, build_attention_mask)
+    AttentionMaskInterface.register(name, _attention_mask)
     return name
