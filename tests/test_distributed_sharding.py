@@ -58,7 +58,8 @@ def _op_check(mesh, ours, ref, inputs, placements, *, out_placements=None, colle
     outs = _leaves(ours(**plain))
     upstream = [torch.randn_like(o) for o in outs]  # the same on every rank: one seed
     pairs = [(o, g) for o, g in zip(outs, upstream) if o.requires_grad]
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
     placed = {k: (distribute_tensor(v.detach(), mesh, [placements[k]], src_data_rank=None)
                   .requires_grad_(v.requires_grad) if k in placements else v) for k, v in inputs.items()}
@@ -66,7 +67,8 @@ def _op_check(mesh, ours, ref, inputs, placements, *, out_placements=None, colle
         douts = _leaves(ours(**placed))
         dgrads = [(o, distribute_tensor(g, mesh, o.placements, src_data_rank=None))
                   for o, g in zip(douts, upstream) if o.requires_grad]
-        torch.autograd.backward([o for o, _ in dgrads], [g for _, g in dgrads])
+        if dgrads:
+            torch.autograd.backward([o for o, _ in dgrads], [g for _, g in dgrads])
     counts = dict(comm.get_comm_counts())
     got_placements = [tuple(o.placements) for o in douts]
     full_outs = [o.full_tensor() for o in douts]
@@ -80,7 +82,7 @@ def _op_check(mesh, ours, ref, inputs, placements, *, out_placements=None, colle
         ups = [g.to(dtype) for g in upstream]
         routs = [(o, g) for o, g in zip(ref_outs[dtype], ups) if o.requires_grad]
         ref_grads[dtype] = torch.autograd.grad([o for o, _ in routs], [args[k] for k in diff],
-                                               [g for _, g in routs])
+                                               [g for _, g in routs]) if diff else ()
 
     if out_placements is not None:
         assert got_placements == [tuple(p) for p in out_placements], got_placements
@@ -195,7 +197,7 @@ def check_attention_dropout_replicates(mesh, rank, ws):
 
 def check_varlen_heads(mesh, rank, ws):
     """Packed sequences of unequal lengths, head-sharded with grouped-query heads, causal (bottom
-    right), sinks sharded on heads; the index tensors replicated: no collective."""
+    right), sinks sharded on heads; then a paged cache; the index tensors replicated: no collective."""
     from torch.distributed.tensor import Replicate, Shard
     H, Hk = 2 * ws, ws
     cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 11], dtype=torch.int32)
@@ -213,6 +215,22 @@ def check_varlen_heads(mesh, rank, ws):
     s1, r = Shard(1), Replicate()
     _op_check(mesh, ours, ref, inputs, dict(query=s1, key=s1, value=s1, cu_seq_q=r, cu_seq_k=r, sinks=Shard(0)),
               out_placements=[(s1,)])
+
+    # A paged cache (inference only): key/value pools (pages, page_size, Hk, D) sharded on their heads.
+    paged = dict(query=torch.randn(5, H, 8), key=torch.randn(4, 4, Hk, 8), value=torch.randn(4, 4, Hk, 8),
+                 cu_seq_q=torch.tensor([0, 3, 5], dtype=torch.int32), seqused_k=torch.tensor([5, 7], dtype=torch.int32),
+                 block_table=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32))
+
+    def ours_paged(query, key, value, cu_seq_q, seqused_k, block_table):
+        return tf.varlen_attn(query, key, value, cu_seq_q, None, 3, 8, enable_gqa=True, seqused_k=seqused_k,
+                              block_table=block_table)
+
+    def ref_paged(query, key, value, cu_seq_q, seqused_k, block_table):
+        return reference.varlen_attention(query, key, value, cu_seq_q, None, seqused_k=seqused_k,
+                                          block_table=block_table)
+
+    _op_check(mesh, ours_paged, ref_paged, paged, dict(query=s1, key=Shard(2), value=Shard(2), cu_seq_q=r,
+                                                       seqused_k=r, block_table=r), out_placements=[(s1,)])
 
 
 def check_norms(mesh, rank, ws):
