@@ -60,7 +60,8 @@ from .sequence import LAYOUTS, check_divisible, check_layout, chunk_count, globa
 
 MODES = ("ring", "all_gather", "ulysses")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_ROW_TILE = 256  # query rows per tile of the ring's torch backward
+_ROW_TILE = 256  # query rows per tile of the ring's torch backward, at most
+_TILE_ELEMENTS = 1 << 22  # and at most this many scores per tile (16 MiB in float32)
 
 _COUNTERS: dict = {}
 
@@ -409,10 +410,15 @@ def _block_forward(plan, forward, q, k, v, call):
                    softcap=plan.softcap, alibi_slopes=plan.slopes, **_offset_kw(offset))
 
 
-def _ring_exchange(plan, send, recv, tag, key):
-    ops = [dist.P2POp(dist.isend, send, _peer(plan.group, (plan.rank + 1) % plan.w), plan.group, tag),
-           dist.P2POp(dist.irecv, recv, _peer(plan.group, (plan.rank - 1) % plan.w), plan.group, tag)]
-    _count(key, send.numel() * send.element_size())
+def _ring_exchange(plan, sends, recvs, tag, key):
+    """Sends ``sends`` to the next rank while receiving ``recvs`` from the previous one (one
+    message per tensor, tags from ``tag``); counted as one block."""
+    nxt, prv = _peer(plan.group, (plan.rank + 1) % plan.w), _peer(plan.group, (plan.rank - 1) % plan.w)
+    ops = []
+    for i, (send, recv) in enumerate(zip(sends, recvs)):
+        ops += [dist.P2POp(dist.isend, send, nxt, plan.group, tag + i),
+                dist.P2POp(dist.irecv, recv, prv, plan.group, tag + i)]
+    _count(key, sum(t.numel() * t.element_size() for t in sends))
     return dist.batch_isend_irecv(ops)
 
 
@@ -425,24 +431,31 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan):
         forward, _ = _kernels(q)
-        D = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1)
         stats = _stats_dtype(q)
         B, H, n, _ = q.shape
-        acc_out = q.new_zeros(B, H, n, v.shape[-1], dtype=stats)
-        acc_lse = q.new_full((B, H, n), -math.inf, dtype=stats)
+        acc_out = acc_lse = None
+        kv = (k.contiguous(), v.contiguous())  # the block computed on; the next one arrives meanwhile
         for step in range(plan.w):
             works = []
             if step < plan.w - 1:
-                incoming = torch.empty_like(kv)
+                incoming = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in kv)
                 works = _ring_exchange(plan, kv, incoming, 0, ("ring", "forward", "key/value"))
             src = (plan.rank - step) % plan.w
             for call in _step_calls(plan, src):
-                out, lse = _block_forward(plan, forward, q, kv[..., :D], kv[..., D:], call)
+                out, lse = _block_forward(plan, forward, q, *kv, call)
+                if acc_out is None and call[0] == slice(0, n):  # the first partial of every row: kept as is
+                    acc_out, acc_lse = out.to(stats), _as_mass(lse.to(stats))
+                    continue
+                if acc_out is None:
+                    acc_out = q.new_zeros(B, H, n, v.shape[-1], dtype=stats)
+                    acc_lse = q.new_full((B, H, n), -math.inf, dtype=stats)
                 _merge(acc_out, acc_lse, out, lse, call[0])
             if works:
                 _wait(works)
                 kv = incoming
+        if acc_out is None:  # no key for any row (an empty shard)
+            acc_out = q.new_zeros(B, H, n, v.shape[-1], dtype=stats)
+            acc_lse = q.new_full((B, H, n), -math.inf, dtype=stats)
         out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan = plan
@@ -457,22 +470,23 @@ class _RingAttention(torch.autograd.Function):
         D = k.shape[-1]
         delta = (dout.to(stats) * out.to(stats)).sum(-1)  # dO . O: the merged rows' delta
         dq = torch.zeros(q.shape, dtype=stats, device=q.device)
-        kv = torch.cat([k, v], dim=-1)
+        kv = (k.contiguous(), v.contiguous())
+        B, Hk, n, _ = k.shape
         grads_in = None  # (the dK/dV arriving from the previous rank, the exchange's works, the buffer sent)
         for step in range(plan.w):
             works = []
             if step < plan.w - 1:
-                incoming = torch.empty_like(kv)
+                incoming = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in kv)
                 works = _ring_exchange(plan, kv, incoming, 0, ("ring", "backward", "key/value"))
             src = (plan.rank - step) % plan.w
-            dkv = torch.zeros(kv.shape, dtype=stats, device=kv.device)
+            dkv = torch.zeros(B, Hk, n, D + v.shape[-1], dtype=stats, device=k.device)
             for call in _step_calls(plan, src):
-                _block_backward(plan, q, kv[..., :D], kv[..., D:], dout, lse, delta, call, dq, dkv, D)
+                _block_backward(plan, q, *kv, dout, lse, delta, call, dq, dkv, D)
             if grads_in is not None:
                 _wait(grads_in[1])
                 dkv += grads_in[0]
             received = torch.empty_like(dkv)
-            grads_in = (received, _ring_exchange(plan, dkv, received, 1, ("ring", "backward", "dK/dV")), dkv)
+            grads_in = (received, _ring_exchange(plan, (dkv,), (received,), 2, ("ring", "backward", "dK/dV")), dkv)
             if works:
                 _wait(works)
                 kv = incoming
@@ -497,11 +511,12 @@ def _block_backward(plan, q, k, v, dout, lse, delta, call, dq, dkv, D):
         vb = vb.repeat_interleave(group, dim=1)
     dk = torch.zeros_like(kb)
     dv = torch.zeros_like(vb)
-    q_rows = list(range(rows.start, rows.stop))
+    q_rows = range(rows.start, rows.stop)
+    tile = max(16, min(_ROW_TILE, _TILE_ELEMENTS // max(1, B * H * nk)))
     kpos = None if kg is None else torch.arange(kg, kg + nk, device=q.device)
     left, right = plan.window
-    for t0 in range(0, len(q_rows), _ROW_TILE):
-        r0, r1 = rows.start + t0, min(rows.stop, rows.start + t0 + _ROW_TILE)
+    for t0 in range(0, len(q_rows), tile):
+        r0, r1 = rows.start + t0, min(rows.stop, rows.start + t0 + tile)
         qt = q[:, :, r0:r1].to(stats)
         dot = dout[:, :, r0:r1].to(stats)
         s = torch.matmul(qt, kb.transpose(-1, -2)) * plan.scale
