@@ -45,8 +45,13 @@ def _as(inputs, dtype):
                 and v.is_floating_point() else v) for k, v in inputs.items()}
 
 
+def _on_mesh(placement):
+    return tuple(placement) if isinstance(placement, (tuple, list)) else (placement,)
+
+
 def _op_check(mesh, ours, ref, inputs, placements, *, out_placements=None, collectives=0):
-    """ours(**inputs) on DTensors (inputs named in ``placements``, placed so; the rest as they are)
+    """ours(**inputs) on DTensors (inputs named in ``placements``, placed so: a placement, or one per
+    dim of a 2-D mesh; the rest as they are)
     against the one-process call and the float64 reference ref(**inputs). ``out_placements``: the
     outputs' expected placements; ``collectives``: the collectives expected in forward+backward
     (0, or None for "at least one")."""
@@ -61,7 +66,7 @@ def _op_check(mesh, ours, ref, inputs, placements, *, out_placements=None, colle
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
-    placed = {k: (distribute_tensor(v.detach(), mesh, [placements[k]], src_data_rank=None)
+    placed = {k: (distribute_tensor(v.detach(), mesh, _on_mesh(placements[k]), src_data_rank=None)
                   .requires_grad_(v.requires_grad) if k in placements else v) for k, v in inputs.items()}
     with CommDebugMode() as comm:
         douts = _leaves(ours(**placed))
@@ -305,6 +310,22 @@ def check_flags_that_change_the_outputs(mesh, rank, ws):
                   out_placements=[(s0,)] * (3 if final else 1))
 
 
+def check_two_dim_mesh(mesh, rank, ws):
+    """A (2, 2) mesh, batch on its first dim and heads (grouped-query, 8 over 4) or sequence on its
+    second: attention and LayerNorm with no collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = init_device_mesh("cpu", (2, 2))
+    batch_heads = (Shard(0), Shard(1))
+    inputs = _attention_inputs(2, 8, 4, 5, 5, 8, enable_gqa=True, is_causal=True)
+    _op_check(mesh, _sdpa, _sdpa_reference, inputs, dict(query=batch_heads, key=batch_heads, value=batch_heads),
+              out_placements=[batch_heads])
+    x = dict(input=torch.randn(2, 5, 8, requires_grad=True), weight=torch.randn(8, requires_grad=True))
+    _op_check(mesh, lambda input, weight: tf.layer_norm(input, (8,), weight),
+              lambda input, weight: reference.layer_norm(input, (8,), weight), x,
+              dict(input=batch_heads, weight=(Replicate(), Replicate())), out_placements=[batch_heads])
+
+
 OP_CHECKS = [check_flags_that_change_the_outputs, check_attention_batch, check_attention_heads_gqa, check_attention_heads_uneven,
              check_attention_heads_that_cannot_align, check_attention_dropout_replicates, check_varlen_heads,
              check_norms, check_linear_attention]
@@ -474,7 +495,7 @@ def check_ddp_and_fsdp2_training(mesh, rank, ws):
 
 MODEL_CHECKS = [check_tensor_parallel_llama_block, check_ddp_and_fsdp2_training]
 _HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-CHECKS = {2: OP_CHECKS + (MODEL_CHECKS if _HAS_TRANSFORMERS else []), 4: OP_CHECKS}
+CHECKS = {2: OP_CHECKS + (MODEL_CHECKS if _HAS_TRANSFORMERS else []), 4: OP_CHECKS + [check_two_dim_mesh]}
 
 
 def _run_checks(rank, world_size, group, names):
@@ -518,6 +539,10 @@ def _check_result(world_size, check):
 @pytest.mark.parametrize("check", OP_CHECKS, ids=lambda c: c.__name__[len("check_"):])
 def test_op_on_dtensors(world_size, check):
     _check_result(world_size, check)
+
+
+def test_two_dim_mesh_on_four_ranks():
+    _check_result(4, check_two_dim_mesh)
 
 
 @pytest.mark.parametrize("check", MODEL_CHECKS, ids=lambda c: c.__name__[len("check_"):])
