@@ -11,7 +11,7 @@ import torch
 
 from distributed_launch import run_ranks
 from transformer_fast.distributed import attention as cp
-from transformer_fast.distributed.sequence import shard_packed, shard_sequence
+from transformer_fast.distributed.sequence import shard_packed, shard_positions, shard_sequence, unshard_sequence
 
 MODES = ("ring", "all_gather", "ulysses")
 LAYOUTS = ("head_tail", "contiguous")
@@ -159,6 +159,22 @@ def _communication_case(rank, w, group):
         assert sent(both) == cp._bytes_sent_per_rank(*args, backward=True), (mode, both)
 
 
+def _sequence_case(rank, w, group):
+    """shard_sequence keeps this rank's chunks (rank r: r and 2w-1-r head-tail, r contiguous),
+    shard_positions names their positions, unshard_sequence puts the whole sequence back."""
+    N = 4 * w
+    x = torch.arange(N, dtype=torch.float32).view(1, 1, N, 1).expand(2, 3, N, 2).contiguous()
+    for layout, chunks in (("head_tail", (rank, 2 * w - 1 - rank)), ("contiguous", (rank,))):
+        c = N // (2 * w if layout == "head_tail" else w)
+        expected = torch.cat([torch.arange(k * c, (k + 1) * c) for k in chunks])
+        assert torch.equal(shard_positions(N, group, layout), expected), layout
+        mine = shard_sequence(x, group, 2, layout)
+        assert torch.equal(mine[0, 0, :, 0].long(), expected), layout
+        assert torch.equal(unshard_sequence(mine, group, 2, layout), x), layout
+        assert torch.equal(unshard_sequence(shard_sequence(x.transpose(1, 2), group, 1, layout), group, 1, layout),
+                           x.transpose(1, 2)), layout
+
+
 def run_jobs(rank, w, group, jobs):
     for name, kwargs in jobs:
         globals()[name](rank, w, group, **kwargs)
@@ -196,12 +212,13 @@ def _varlen_jobs():
 
 
 def test_world_2():
-    jobs = _dense_jobs(2) + _varlen_jobs() + [("_communication_case", {})]
+    jobs = _dense_jobs(2) + _varlen_jobs() + [("_communication_case", {}), ("_sequence_case", {})]
     assert run_ranks(run_jobs, 2, args=(jobs,)) == [True, True]
 
 
 def test_world_4():
-    jobs = _dense_jobs(4, causal_only=True) + _varlen_jobs()[1:2] + [("_communication_case", {})]
+    jobs = (_dense_jobs(4, causal_only=True) + _varlen_jobs()[1:2]
+            + [("_communication_case", {}), ("_sequence_case", {})])
     assert run_ranks(run_jobs, 4, args=(jobs,)) == [True] * 4
 
 
