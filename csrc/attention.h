@@ -77,8 +77,10 @@ struct Problem {
   const bool* pad = nullptr;
   Dropout dropout;
 
-  // Sliding window (-1: unbounded side), aligned to the bottom right of each sequence.
+  // Sliding window (-1: unbounded side), aligned to the bottom right of each sequence and moved
+  // by query_offset: query i sits at key position i + Nk - Nq + query_offset (ALiBi's too).
   int64_t window_left = -1, window_right = -1;
+  int64_t query_offset = 0;
   float softcap = 0.f;             // 0: none
   const float* alibi = nullptr;    // (B, H) slopes, strides alibi_sb, alibi_sh
   int64_t alibi_sb = 0, alibi_sh = 0;
@@ -288,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits);
+    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
+    int64_t query_offset);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
@@ -296,7 +299,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks);
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset);
 void register_cuda_kernels();
 #endif
 

@@ -362,10 +362,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
   const char* fn = "attention_backward";
   const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k,
-                                        std::nullopt, std::nullopt, max_q, max_k, 0);
+                                        std::nullopt, std::nullopt, max_q, max_k, 0, query_offset);
   const CpuProblem cp = cpu_problem(fn, q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                                     seed, x);
   const Problem& p = cp.p;
@@ -414,11 +414,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
   auto [dq, dk, dv, dmask, delta] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                                                        is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                        softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                       compute_delta, sinks);
+                                                       compute_delta, sinks, query_offset);
   return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 

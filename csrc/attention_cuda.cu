@@ -63,7 +63,10 @@ void attention_bwd_cuda(const Problem& p, const at::Tensor& dout, const at::Tens
 }  // namespace
 
 // The C++ CUDA kernels serve the dense masks only; with Triton (the CUDA path) every feature runs.
+// The query offset moves only the window and ALiBi, so it changes nothing here (its range is checked
+// as everywhere).
 static void check_dense_only(const AttentionExtras& x, const char* fn) {
+  check_query_offset(fn, x.query_offset);
   TORCH_CHECK_NOT_IMPLEMENTED(!x.any(), fn, ": the C++ CUDA attention kernels (the fallback where Triton is "
                               "missing) do not implement sliding windows, softcap, ALiBi, sinks or packed "
                               "sequences; install Triton to run them on CUDA tensors");
@@ -76,9 +79,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
+    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
+    int64_t query_offset) {
   check_dense_only(make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table,
-                               max_q, max_k, num_splits),
+                               max_q, max_k, num_splits, query_offset),
                    "attention_forward");
   return attention_forward_entry(c10::DeviceType::CUDA, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
                                  dropout_p, dropout_seed("attention_forward", seed, dropout_p),
@@ -93,9 +97,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
   check_dense_only(make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k, std::nullopt,
-                               std::nullopt, max_q, max_k, 0),
+                               std::nullopt, max_q, max_k, 0, query_offset),
                    "attention_backward");
   TORCH_CHECK_NOT_IMPLEMENTED(!compute_delta, "attention_backward: the C++ CUDA kernels do not compute delta (it "
                               "serves attention sinks, which need the Triton kernels: install Triton)");
@@ -115,11 +119,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& seed,
     bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks) {
+    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
   auto [dq, dk, dv, dmask, delta] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                                                             is_causal, scale, dropout_p, seed, compute_dmask, window,
                                                             softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                            compute_delta, sinks);
+                                                            compute_delta, sinks, query_offset);
   return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
 }
 

@@ -268,9 +268,10 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits) {
+    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
+    int64_t query_offset) {
   const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k,
-                                        block_table, max_q, max_k, num_splits);
+                                        block_table, max_q, max_k, num_splits, query_offset);
   CpuProblem cp = cpu_problem("attention_forward", q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale,
                               dropout_p, seed, x);
   const Problem& p = cp.p;

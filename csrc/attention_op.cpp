@@ -13,14 +13,15 @@ using OptTensor = std::optional<at::Tensor>;
 using AttentionForwardSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool, double, double,
     const OptTensor&, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t);
+    const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t, int64_t);
 using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const OptTensor&, const OptTensor&, bool, double, double, const OptTensor&, bool, at::IntArrayRef, double,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, const OptTensor&, int64_t);
 using AttentionBackwardCompositeSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-    bool, double, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&);
+    bool, double, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+    int64_t);
 TRANSFORMER_FAST_OP(attention_forward, AttentionForwardSig)
 TRANSFORMER_FAST_OP(attention_backward, AttentionBackwardSig)
 TRANSFORMER_FAST_OP(attention_backward_composite, AttentionBackwardCompositeSig)
@@ -73,12 +74,12 @@ struct AttentionBackward : public torch::autograd::Node {
                                   "supported with dropout_p > 0");
       std::tie(result[0], result[1], result[2], dmask, dsinks) = attention_backward_composite_op().call(
           dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window, softcap, alibi_slopes, sinks,
-          cu_seq_q, cu_seq_k);
+          cu_seq_q, cu_seq_k, query_offset);
     } else {
       at::Tensor delta;
       std::tie(result[0], result[1], result[2], dmask, delta) = attention_backward_op().call(
           dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, mask_grad, window,
-          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, sinks_grad, sinks);
+          softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, sinks_grad, sinks, query_offset);
       if (sinks_grad) dsinks = sinks_gradient(delta, lse, *sinks, cu_seq_q.has_value());
     }
     if (mask_grad) result[3] = dmask;  // autograd sums dS over the mask's broadcast dims
@@ -91,7 +92,7 @@ struct AttentionBackward : public torch::autograd::Node {
   bool is_causal = false;
   double scale = 1.0, dropout_p = 0.0, softcap = 0.0;
   OptTensor seed;  // a CPU scalar (op_utils.h, dropout_seed), None without dropout
-  int64_t max_q = 0, max_k = 0;
+  int64_t max_q = 0, max_k = 0, query_offset = 0;
   std::array<int64_t, 2> window{-1, -1};
 };
 
@@ -100,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
     const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
     at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
-    int64_t max_q, int64_t max_k, int64_t num_splits) {
+    int64_t max_q, int64_t max_k, int64_t num_splits, int64_t query_offset) {
   const bool record = requires_grad(q, k, v, attn_mask, sinks);
   TORCH_CHECK_NOT_IMPLEMENTED(!record || (!seqused_k.has_value() && !block_table.has_value()),
                               "varlen_attn: seqused_k and block_table are inference-only (no backward); call it "
@@ -110,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(out, lse) = attention_forward_op().call(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
                                                      dropout_p, seed, window, softcap, alibi_slopes, sinks, cu_seq_q,
-                                                     cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits);
+                                                     cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits,
+                                                     query_offset);
   }
   if (!record) return {out, lse};  // nothing to record: no autograd node
   TORCH_CHECK_VALUE(window.size() == 2, "window must have two entries, got ", window.size());
@@ -135,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
   node->seed = seed;
   node->max_q = max_q;
   node->max_k = max_k;
+  node->query_offset = query_offset;
   node->window = {window[0], window[1]};
   return {out, lse};
 }
@@ -148,14 +151,14 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
     const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
     at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
     const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
-    int64_t max_q, int64_t max_k, int64_t num_splits) {
+    int64_t max_q, int64_t max_k, int64_t num_splits, int64_t query_offset) {
   const auto no_autocast = autocast_off();
   const auto cast = at::autocast::get_autocast_dtype(device);
   return attention_forward_op().call(autocast_arg(cast, q, device), autocast_arg(cast, k, device),
                                      autocast_arg(cast, v, device), autocast_arg(cast, attn_mask, device),
                                      key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
                                      alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
-                                     num_splits);
+                                     num_splits, query_offset);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autocast(
@@ -163,11 +166,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const OptTensor& sinks) {
+    int64_t max_k, bool compute_delta, const OptTensor& sinks, int64_t query_offset) {
   const auto no_autocast = autocast_off();
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta, sinks);
+                                      cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset);
 }
 
 // The backward op is never differentiated itself (second derivatives go through
@@ -178,14 +181,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
     double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
     const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const OptTensor& sinks) {
+    int64_t max_k, bool compute_delta, const OptTensor& sinks, int64_t query_offset) {
   TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask),
                               "transformer_fast::attention_backward is not differentiable; differentiate the "
                               "forward op with create_graph=True instead");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                       dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta, sinks);
+                                      cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset);
 }
 
 }  // namespace
@@ -196,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a
   const std::array<int64_t, 2> window{x.window_left, x.window_right};
   return attention_forward_op().call(a.q, a.k, a.v, a.attn_mask, a.key_padding_mask, is_causal, a.scale, dropout_p,
                                      seed, window, x.softcap, x.alibi_slopes, x.sinks, x.cu_seq_q, x.cu_seq_k,
-                                     x.seqused_k, x.block_table, x.max_q, x.max_k, x.num_splits);
+                                     x.seqused_k, x.block_table, x.max_q, x.max_k, x.num_splits, x.query_offset);
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {

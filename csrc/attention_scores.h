@@ -24,9 +24,10 @@ namespace cpu_attention {
 constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max() / 4;
 
 // ---- The band of keys a query row may attend, in its sequence's coordinates: keys j with
-// lo(i) <= j <= hi(i), both nondecreasing in i (bottom-right aligned window; top-left causal).
+// lo(i) <= j <= hi(i), both nondecreasing in i (bottom-right aligned window, moved by the query
+// offset; top-left causal).
 struct Band {
-  int64_t shift, left, right;  // shift = Nk - Nq; left/right: kUnbounded where unbounded
+  int64_t shift, left, right;  // shift = Nk - Nq + query_offset; left/right: kUnbounded where unbounded
   bool causal;
   int64_t lo(int64_t i) const { return left == kUnbounded ? -kUnbounded : i + shift - left; }
   int64_t hi(int64_t i) const {
@@ -36,7 +37,7 @@ struct Band {
 };
 
 inline Band band_of(const Problem& p, int64_t nq, int64_t nk) {
-  return {nk - nq, p.window_left >= 0 ? p.window_left : kUnbounded,
+  return {nk - nq + p.query_offset, p.window_left >= 0 ? p.window_left : kUnbounded,
           p.window_right >= 0 ? p.window_right : kUnbounded, p.causal};
 }
 
@@ -122,7 +123,7 @@ inline void softcap_row(float* s, int64_t n, float cap, float* tanh_out) {
   if (c < n) step(n - c);
 }
 
-// s[c] -= slope * |distance0 - c| (ALiBi; distance0 = i + Nk - Nq - j0 for the row's first key).
+// s[c] -= slope * |distance0 - c| (ALiBi; distance0 = i + shift - j0 for the row's first key).
 inline void alibi_row(float* s, int64_t n, float slope, int64_t distance0) {
   const Vec vslope(slope), base(static_cast<float>(distance0)), lanes = Vec::arange(0.f, 1.f);
   map_row(s, n, [&](Vec x, int64_t c) {

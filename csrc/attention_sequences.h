@@ -90,15 +90,17 @@ inline void check_float_vector(const char* fn, const char* name, const at::Tenso
   TORCH_CHECK(t.device() == q.device(), fn, ": ", name, " must be on q's device ", q.device(), ", got ", t.device());
 }
 
-// Window, softcap, ALiBi slopes ((B, H) view) and sinks ((H,)) into cp.p.
+// Window, query offset, softcap, ALiBi slopes ((B, H) view) and sinks ((H,)) into cp.p.
 inline void set_score_extras(const char* fn, CpuProblem& cp, const AttentionExtras& x) {
   Problem& p = cp.p;
   TORCH_CHECK_VALUE(x.window_left >= -1 && x.window_right >= -1, fn, ": window entries must be >= 0, or -1 for an "
                     "unbounded side, got (", x.window_left, ", ", x.window_right, ")");
   TORCH_CHECK_VALUE(std::isfinite(x.softcap) && x.softcap >= 0.0, fn, ": softcap must be >= 0 (0: none), got ",
                     x.softcap);
+  check_query_offset(fn, x.query_offset);
   p.window_left = x.window_left;
   p.window_right = x.window_right;
+  p.query_offset = x.query_offset;
   p.softcap = static_cast<float>(x.softcap);
   p.num_splits = x.num_splits;
   TORCH_CHECK_VALUE(x.num_splits >= 0, fn, ": num_splits must be >= 0 (0: chosen), got ", x.num_splits);

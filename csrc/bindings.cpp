@@ -94,13 +94,15 @@ void def_attention_kernels(py::module& m, const std::string& suffix, Forward for
         py::arg("dropout_p"), py::arg("seed"), py::arg("window") = std::vector<int64_t>{-1, -1},
         py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
         py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(), py::arg("seqused_k") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("num_splits") = 0);
+        py::arg("block_table") = py::none(), py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("num_splits") = 0,
+        py::arg("query_offset") = 0);
   m.def(("attention_backward" + suffix).c_str(), backward, py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("attn_mask"), py::arg("key_padding_mask"),
         py::arg("is_causal"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("compute_dmask"),
         py::arg("window") = std::vector<int64_t>{-1, -1}, py::arg("softcap") = 0.0,
         py::arg("alibi_slopes") = py::none(), py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(),
-        py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false, py::arg("sinks") = py::none());
+        py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false, py::arg("sinks") = py::none(),
+        py::arg("query_offset") = 0);
 }
 
 // _C.direct(n_tensors, *args): whether a public Python function may call its op's C++ function

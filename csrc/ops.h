@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(
     double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table, int64_t max_q,
-    int64_t max_k, int64_t num_splits);
+    int64_t max_k, int64_t num_splits, int64_t query_offset);
 
 // (dq, dk, dv, dmask, delta). dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an
 // undefined tensor (None) unless compute_dmask; delta (sum_j P_ij dP_ij per row, float32 in lse's
@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& cu_seq_q,
     const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta,
-    const std::optional<at::Tensor>& sinks);
+    const std::optional<at::Tensor>& sinks, int64_t query_offset);
 
 // Whether the CPU kernels multiply bf16/fp16 tiles with the CPU's own products of that dtype, not
 // in fp32 on converted copies (cpu_blas.h: native_lowp_products).

@@ -32,13 +32,13 @@ TORCH_LIBRARY(transformer_fast, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_padding_mask, "
         "bool is_causal, float scale, float dropout_p, Tensor? seed, int[] window=[-1, -1], float softcap=0.0, "
         "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
-        "Tensor? seqused_k=None, Tensor? block_table=None, int max_q=0, int max_k=0, int num_splits=0) "
-        "-> (Tensor, Tensor)");
+        "Tensor? seqused_k=None, Tensor? block_table=None, int max_q=0, int max_k=0, int num_splits=0, "
+        "int query_offset=0) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, Tensor? seed, "
         "bool compute_dmask, int[] window=[-1, -1], float softcap=0.0, Tensor? alibi_slopes=None, "
         "Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, int max_q=0, int max_k=0, bool compute_delta=False, "
-        "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? sinks=None, int query_offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_forward(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool is_rms) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean, "
@@ -54,8 +54,8 @@ TORCH_LIBRARY(transformer_fast, m) {
   // registered from Python as CompositeImplicitAutograd.
   m.def("attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
         "Tensor? key_padding_mask, bool is_causal, float scale, int[] window=[-1, -1], float softcap=0.0, "
-        "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? cu_seq_q=None, Tensor? cu_seq_k=None, "
+        "int query_offset=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_backward_composite(Tensor dy, Tensor h, Tensor? weight, Tensor? bias, float eps, "
         "bool is_rms) -> (Tensor, Tensor, Tensor)");
   m.def("linear_attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, "

@@ -43,9 +43,9 @@ from .attention_decode import attention_combine_kernel, combine_launch_shape, pa
 from .attention_forward import attention_fwd_kernel  # noqa: F401
 from .attention_tiles import block_dims, length_bucket
 
-# Window bounds at or beyond this are as good as unbounded (and stay clear of int32 overflow in
-# the kernels' index arithmetic).
-_WINDOW_CAP = 1 << 30
+# The query offset's range (as every backend's, csrc/attention_extras.h): with the window sides
+# that _window leaves bounded, the kernels' position arithmetic stays within int32.
+_MAX_QUERY_OFFSET = 1 << 30
 # CUDA's limit on a grid's third dimension (the batch, or the sequences of a pack + 1).
 _MAX_GRID_Z = 65535
 
@@ -97,18 +97,26 @@ def _alibi_strides(alibi_slopes):
 _NO_WINDOW = (-1, -1)
 
 
-def _window(window, n_q, n_k, packed):
-    """(left, right) with -1 for an unbounded side: a dense side that reaches past every key is
-    unbounded (one kernel fewer); bounds are capped at 2^30."""
+def _check_query_offset(fn, query_offset):
+    if not -_MAX_QUERY_OFFSET <= query_offset <= _MAX_QUERY_OFFSET:
+        raise ValueError(f"{fn}: query_offset must be in [-2^30, 2^30], got {query_offset}")
+
+
+def _window(window, rows, keys, query_offset):
+    """(left, right) with -1 for an unbounded side. A side that reaches past every key of every row
+    is unbounded (one kernel fewer; rows, keys: the longest sequences' lengths): query i of a
+    sequence sits at key position i + n_k - n_q + query_offset, so the left side reaches key 0 from
+    every row where left >= keys - 1 + query_offset, the right side the last key where right >=
+    rows - 1 - query_offset. The sides left bounded are then below keys + |query_offset| and rows +
+    |query_offset|, so the kernels' position sums stay within int32."""
     if window == _NO_WINDOW:
         return _NO_WINDOW
     left, right = (int(w) for w in window)
-    if not packed:
-        if left >= n_k - 1:
-            left = -1
-        if right >= n_q - 1:
-            right = -1
-    return (-1 if left < 0 else min(left, _WINDOW_CAP)), (-1 if right < 0 else min(right, _WINDOW_CAP))
+    if left >= keys - 1 + query_offset:
+        left = -1
+    if right >= rows - 1 - query_offset:
+        right = -1
+    return (-1 if left < 0 else left), (-1 if right < 0 else right)
 
 
 def _scales(scale, softcap):
@@ -179,9 +187,11 @@ def _copied(copies, *tensors):
 
 
 def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap, alibi_slopes,
-                  sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits):
+                  sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits, query_offset=0):
     """attention_forward's launches for one call signature (kernels/_launch.py): the outputs' shapes
     and the forward's (and the split combine's) LaunchPlan."""
+    query_offset = int(query_offset)
+    _check_query_offset("attention_forward", query_offset)
     copies = _copies(sinks, cu_seq_q, cu_seq_k, seqused_k, block_table)
     packed = cu_seq_q is not None
     if packed:
@@ -217,7 +227,7 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
         out_shape, out_strides = None, strides_in_rows_of(q)[1]  # out's strides in rows of Dv elements
         lse_shape, lse_strides = (B, H, n_q), (H * n_q, n_q)
         n_lse, drop_stride = B * H * n_q, n_k
-    window = _window(window, rows, keys, packed)
+    window = _window(window, rows, keys, query_offset)
     group = H // Hk
     packs = pack_gqa(group, rows, dropout_p)
     heads = Hk if packs else H
@@ -236,7 +246,7 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
     before_seed = (*q_strides, *k_strides, *v_strides, *out_strides, *lse_strides, *_mask_strides(attn_mask),
                    *_padding_strides(key_padding_mask), *_alibi_strides(alibi_slopes),
                    0 if block_table is None else block_table.shape[1] if copies and copies[4] else block_table.stride(0),
-                   H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], splits, n_lse,
+                   H, group, n_q, n_k, B, page_size, num_pages, window[0], window[1], query_offset, splits, n_lse,
                    qk_scale, softcap2, float(dropout_p))
     forward = LaunchPlan(grid, (*before_seed, 0, drop_stride, bucket),
                          dict(**meta, HAS_SINKS=sinks is not None, HAS_SEQUSED=seqused_k is not None,
@@ -257,11 +267,11 @@ _forward_plans = Plans(_forward_plan)
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0):
+                      block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
     seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
     plan = _forward_plans.get((q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap,
                                alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
-                               num_splits), seed_class(seed))
+                               num_splits, query_offset), seed_class(seed))
     if plan.copies is not None:
         sinks, cu_seq_q, cu_seq_k, seqused_k, block_table = _copied(plan.copies, sinks, cu_seq_q, cu_seq_k, seqused_k,
                                                                     block_table)
@@ -288,9 +298,11 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
 
 def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                          window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0,
-                         max_k=0):
+                         max_k=0, query_offset=0):
     """What the dK/dV and dQ kernels share: the arguments after their tensors, as a dict of named
     pieces, and the constexprs (`seed` at scalars[seed_at]). See _backward_plan for their use."""
+    query_offset = int(query_offset)
+    _check_query_offset("attention_backward", query_offset)
     packed = cu_seq_q is not None
     if packed:
         Tq, H, D = q.shape
@@ -304,12 +316,13 @@ def backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_cau
         Hk, n_k = k.shape[1], k.shape[2]
         rows, keys = n_q, n_k
         strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3], dout.stride()[:3], (H * n_q, n_q))
-    window = _window(window, rows, keys, packed)
+    window = _window(window, rows, keys, query_offset)
     qk_scale, softcap2 = _scales(scale, softcap)
     meta = _common_meta(q, k, v, attn_mask, key_padding_mask, is_causal, dropout_p, window, softcap, alibi_slopes,
                         1 if packed else 0)
     bucket = length_bucket(rows, keys)
-    before_seed = (H, H // Hk, n_q, n_k, B, window[0], window[1], qk_scale, softcap2, float(scale), float(dropout_p))
+    before_seed = (H, H // Hk, n_q, n_k, B, window[0], window[1], query_offset, qk_scale, softcap2, float(scale),
+                   float(dropout_p))
     return dict(packed=packed, B=B, H=H, Hk=Hk, n_q=n_q, n_k=n_k, rows=rows, keys=keys, bucket=bucket, strides=strides,
                 mask_strides=(*_mask_strides(attn_mask), *_padding_strides(key_padding_mask),
                               *_alibi_strides(alibi_slopes)),
@@ -325,7 +338,7 @@ def _atomic_dq_requested():
 
 
 def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, compute_dmask,
-                   window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta):
+                   window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, query_offset=0):
     """attention_backward's launches for one call signature: which inputs need a contiguous copy,
     the outputs' shapes, and the LaunchPlans of the preprocess, dK/dV and dQ kernels, and of the
     dK/dV kernel accumulating dQ too (`dkdv_dq`: where requested and neither dS nor sum P dP is
@@ -335,7 +348,7 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
     if dout_copy:
         dout = dout.contiguous()
     a = backward_launch_args(dout, q, k, v, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, 0,
-                             window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k)
+                             window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, query_offset)
     packed, B, H, Hk, n_q, n_k = a["packed"], a["B"], a["H"], a["Hk"], a["n_q"], a["n_k"]
     _check_batch(B + (1 if packed else 0))
     meta = a["meta"]
@@ -388,12 +401,12 @@ _backward_plans = Plans(_backward_plan)
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False, sinks=None):
+                       max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
     """sinks: unused (P follows from lse, which includes them; no row is rescaled here)."""
     seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
     plan = _backward_plans.get((dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                                 compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                compute_delta), seed_class(seed))
+                                compute_delta, query_offset), seed_class(seed))
     if plan.dout_copy:
         dout = contiguous(dout)
     if plan.lse_copy:

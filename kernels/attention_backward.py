@@ -148,8 +148,9 @@ def _dkdv_tile(dk, dv, k, v, key_ok, start_m, start_n, q_base, do_base, lse_base
     return dk, dv
 
 
-# Sizes, window bounds, the seed and the dropout row stride are not specialized.
-_NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "n_seqs", "win_left", "win_right", "seed", "drop_stride", "LEN_BUCKET"]
+# Sizes, window bounds, the query offset, the seed and the dropout row stride are not specialized.
+_NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "n_seqs", "win_left", "win_right", "query_offset", "seed",
+                  "drop_stride", "LEN_BUCKET"]
 
 
 @autotune(dkdv_configs(), DKDV_TUNE_KEY, pruner(DKDV_TILES_LOWP, DKDV_TILES_FP32), reset_to_zero=["DQ"])
@@ -160,7 +161,8 @@ def attention_bwd_dkdv_kernel(
         stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_dqb, stride_dqh, stride_dqm,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn, stride_alb, stride_alh,
-        H, GROUP, Nq, Nk, n_seqs, win_left, win_right, qk_scale, softcap2, scale, dropout_p, seed, drop_stride,
+        H, GROUP, Nq, Nk, n_seqs, win_left, win_right, query_offset, qk_scale, softcap2, scale, dropout_p, seed,
+        drop_stride,
         LEN_BUCKET,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -203,7 +205,7 @@ def attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    shift = n_k - n_q
+    shift = n_k - n_q + query_offset  # query i sits at key position i + shift
     lo, a, bb, hi = _query_tiles(start_n, tl.minimum(start_n + BLOCK_N, n_k) - 1, n_q, shift, win_left, win_right,
                                  BLOCK_M, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     if HAS_PAD:  # every key of the block padded: skip the loops
@@ -316,7 +318,8 @@ def attention_bwd_dq_kernel(
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_dqb, stride_dqh, stride_dqm,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn, stride_alb, stride_alh,
-        H, GROUP, Nq, Nk, n_seqs, win_left, win_right, qk_scale, softcap2, scale, dropout_p, seed, drop_stride,
+        H, GROUP, Nq, Nk, n_seqs, win_left, win_right, query_offset, qk_scale, softcap2, scale, dropout_p, seed,
+        drop_stride,
         LEN_BUCKET,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -366,7 +369,7 @@ def attention_bwd_dq_kernel(
     if HAS_ALIBI:
         slope2 = tl.load(Alibi + b.to(tl.int64) * stride_alb + h * stride_alh) * 1.4426950408889634
     drop_offset = lse_row0 * drop_stride
-    shift = n_k - n_q
+    shift = n_k - n_q + query_offset  # query i sits at key position i + shift
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
 

@@ -104,9 +104,10 @@ def _scores(qk, qi, kj, key_ok, n_q, n_k, mask_ptrs, shift, win_left, win_right,
     s = softcap * tanh(scale * qk) (qk_scale = scale / softcap, softcap2 = softcap * log2(e)), or
     scale * qk (qk_scale = scale * log2(e)); minus slope * |qi + shift - kj| (slope2 = slope *
     log2(e)); plus a float mask; then the bool mask, the causal (top-left) and window (bottom
-    right, shift = Nk - Nq) bands where CHECK_BAND, and padding/bounds (key_ok) where CHECK_KEYS.
-    qi, kj and key_ok broadcast to qk: (M, 1) and (1, N) in the forward/dQ layout, transposed in
-    dK/dV. mask_ptrs: the mask's elements for the tile, read where qi < n_q and kj < n_k."""
+    right, shift = Nk - Nq + query_offset) bands where CHECK_BAND, and padding/bounds (key_ok)
+    where CHECK_KEYS. qi, kj and key_ok broadcast to qk: (M, 1) and (1, N) in the forward/dQ
+    layout, transposed in dK/dV. mask_ptrs: the mask's elements for the tile, read where qi < n_q
+    and kj < n_k."""
     if HAS_SOFTCAP:
         t = _tanh(qk * qk_scale)
         s = t * softcap2

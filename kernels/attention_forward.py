@@ -130,10 +130,10 @@ def _fwd_store(acc, l_i, m_i, out_base, out_offs, lse_ptrs, part_base, part_offs
         tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-# Sizes, window bounds, the seed and the row strides of dropout are not specialized (a value of 1
-# would otherwise compile another kernel).
+# Sizes, window bounds, the query offset, the seed and the row strides of dropout are not
+# specialized (a value of 1 would otherwise compile another kernel).
 _NO_SPECIALIZE = ["H", "GROUP", "Nq", "Nk", "n_seqs", "page_size", "num_pages", "win_left", "win_right",
-                  "num_splits", "n_lse", "seed", "drop_stride", "LEN_BUCKET"]
+                  "query_offset", "num_splits", "n_lse", "seed", "drop_stride", "LEN_BUCKET"]
 
 
 @autotune(fwd_configs(), FWD_TUNE_KEY, pruner(FWD_TILES_LOWP, FWD_TILES_FP32))
@@ -144,7 +144,7 @@ def attention_fwd_kernel(
         stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
         stride_maskb, stride_maskh, stride_maskm, stride_maskn, stride_padb, stride_padn, stride_alb, stride_alh,
         stride_btb,
-        H, GROUP, Nq, Nk, n_seqs, page_size, num_pages, win_left, win_right, num_splits, n_lse,
+        H, GROUP, Nq, Nk, n_seqs, page_size, num_pages, win_left, win_right, query_offset, num_splits, n_lse,
         qk_scale, softcap2, dropout_p, seed, drop_stride, LEN_BUCKET,
         HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -233,7 +233,7 @@ def attention_fwd_kernel(
         q_hi = tl.minimum(start + BLOCK_M, n_q) - 1
         qi = start  # the tiles add the rows
         row_ok = start + rows < n_q
-    shift = n_k - n_q
+    shift = n_k - n_q + query_offset  # query i sits at key position i + shift
 
     r64 = tl.cast(row0, tl.int64)
     b64 = bq.to(tl.int64)

@@ -21,7 +21,7 @@ def _compute_dtype(t):
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0):
+                      block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
     c = _compute_dtype(q)
     if cu_seq_q is not None:  # one dense problem per sequence (the packed rows are concatenated back)
         seed = seed_value(seed)
@@ -29,7 +29,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         for b, _, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
                                                      alibi_slopes):
             ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
-                                       slopes, sinks)
+                                       slopes, sinks, query_offset=query_offset)
             outs.append(ob[0].transpose(0, 1))
             lses.append(lb[0])
         # Rows after the last sequence belong to none: out 0, lse the sink or +inf (the contract's
@@ -44,7 +44,7 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
     group = q.shape[1] // k.shape[1]
     vc = v.to(c).repeat_interleave(group, dim=1) if group > 1 else v.to(c)
     scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
-                                 alibi_slopes)
+                                 alibi_slopes, query_offset)
     # softmax with a constant shift (its gradient does not depend on it, so it is detached);
     # rows with no allowed key have only zero terms and give p = 0, lse = the sink or +inf.
     probs, lse = softmax_with_sinks(scores, sinks)
@@ -128,10 +128,10 @@ def _or_zeros(grad, like):
 
 
 def attention_backward(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None):
+                       alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, query_offset=0):
     """(dq, dk, dv, dmask, dsinks) as a differentiable graph."""
     args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, 0, window, softcap, alibi_slopes, sinks,
-            cu_seq_q, cu_seq_k)
+            cu_seq_q, cu_seq_k, None, None, 0, 0, 0, query_offset)
     grads = backward(attention_forward, args, (0, 1, 2, 3, 12), (dout, None))
     return tuple(_or_zeros(grads[i], args[i]) for i in (0, 1, 2, 3, 12))
 

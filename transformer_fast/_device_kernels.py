@@ -26,7 +26,7 @@ def _attention_forward(kernel):
 
     def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                           softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                          block_table=None, max_q=0, max_k=0, num_splits=0):
+                          block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
         check_seed("attention_forward", seed, dropout_p)
         if cu_seq_q is None:
             B, H, Nq, _ = q.shape
@@ -37,7 +37,8 @@ def _attention_forward(kernel):
         elif q.shape[0] == 0:
             return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=_stats_dtype(q))
         return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, tuple(window), softcap,
-                      alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits)
+                      alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits,
+                      query_offset)
     return attention_forward
 
 
@@ -46,7 +47,7 @@ def _attention_backward(kernel):
 
     def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                            compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None,
-                           cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None):
+                           cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
         check_seed("attention_backward", seed, dropout_p)
         rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
         if rows == 0 or keys == 0:
@@ -55,7 +56,7 @@ def _attention_backward(kernel):
             return (*(empty_in_rows_of(t, t.shape[-1]).zero_() for t in (q, k, v)), dmask, delta)
         dq, dk, dv, dmask, delta = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                                           dropout_p, seed, compute_dmask, tuple(window), softcap, alibi_slopes,
-                                          cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, sinks)
+                                          cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset)
         return dq, dk, dv, _empty(q) if dmask is None else dmask, _empty(q) if delta is None else delta
     return attention_backward
 

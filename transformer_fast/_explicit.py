@@ -65,7 +65,8 @@ class Attention(torch.autograd.Function):
         backend, is_causal, scale, dropout_p, seed, extras = ctx.args
         mask_grad, sinks_grad = ctx.needs_input_grad[4], ctx.needs_input_grad[6]
         packed = {name: extras.get(name) for name in ("cu_seq_q", "cu_seq_k")}
-        shape = {name: extras[name] for name in ("window", "softcap", "alibi_slopes") if name in extras}
+        shape = {name: extras[name] for name in ("window", "softcap", "alibi_slopes", "query_offset")
+                 if name in extras}
         dsinks = None
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will be taken
             if dropout_p > 0:

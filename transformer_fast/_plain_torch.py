@@ -32,8 +32,17 @@ def dropout_keep_mask(seed, shape, dropout_p, device):
     return torch.rand(shape, generator=generator, device=device) >= dropout_p
 
 
+# The query offset's range in every backend (csrc/attention_extras.h, kMaxQueryOffset).
+MAX_QUERY_OFFSET = 1 << 30
+
+
+def check_query_offset(fn, query_offset):
+    if not -MAX_QUERY_OFFSET <= query_offset <= MAX_QUERY_OFFSET:
+        raise ValueError(f"{fn}: query_offset must be in [-2^30, 2^30], got {query_offset}")
+
+
 def attention_scores(q, k, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1), softcap=0.0,
-                     alibi_slopes=None):
+                     alibi_slopes=None, query_offset=0):
     """The final scores (B, H, Nq, Nk) of dense inputs in q's dtype, -inf where a key is not allowed,
     and the raw scaled scores the soft-capping was applied to (None without it): the contract in
     transformer_fast/attention.py, written with differentiable torch ops."""
@@ -45,7 +54,7 @@ def attention_scores(q, k, attn_mask, key_padding_mask, is_causal, scale, window
     scores = softcap * torch.tanh(raw / softcap) if softcap else raw
     i = torch.arange(Nq, device=q.device)[:, None]
     j = torch.arange(Nk, device=q.device)[None, :]
-    shift = Nk - Nq  # the window and ALiBi are aligned to the bottom right
+    shift = Nk - Nq + query_offset  # the window and ALiBi: aligned to the bottom right, moved by the offset
     if alibi_slopes is not None:
         scores = scores - alibi_slopes.to(scores.dtype)[:, :, None, None] * (i + shift - j).abs().to(scores.dtype)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -146,7 +155,8 @@ def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes,
 
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0):
+                      block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
+    check_query_offset("attention_forward", query_offset)
     c = _compute_dtype(q)
     if cu_seq_q is not None:  # sequence b drops with seed + b
         seed = seed_value(seed)
@@ -158,12 +168,12 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
         for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
                                                           alibi_slopes, max_q, max_k):
             ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
-                                       slopes, sinks)
+                                       slopes, sinks, query_offset=query_offset)
             out[rows_q] = ob[0].transpose(0, 1)
             lse[:, rows_q] = lb[0]
         return out, lse
     scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
-                                 alibi_slopes)
+                                 alibi_slopes, query_offset)
     probs, lse = softmax_with_sinks(scores, sinks)
     if dropout_p > 0:
         probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
@@ -179,8 +189,9 @@ def _sum_groups(t, heads):
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False, sinks=None):
+                       max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
     """sinks: unused (the gradients follow from lse, which includes them)."""
+    check_query_offset("attention_backward", query_offset)
     if cu_seq_q is not None:
         seed = seed_value(seed)
         dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are
@@ -190,7 +201,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
             dob = dout[rows_q].transpose(0, 1)[None]
             lb = lse[:, rows_q][None]
             g = attention_backward(dob, qb, kb, vb, None, lb, None, None, False, scale, dropout_p, seed + b, False,
-                                   window, softcap, slopes, compute_delta=compute_delta)
+                                   window, softcap, slopes, compute_delta=compute_delta, query_offset=query_offset)
             dq[rows_q] = g[0][0].transpose(0, 1)
             dk[rows_k] = g[1][0].transpose(0, 1)
             dv[rows_k] = g[2][0].transpose(0, 1)
@@ -201,7 +212,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
     qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
     H, Hk = q.shape[1], k.shape[1]
     scores, raw = attention_scores(qc, kc, attn_mask, key_padding_mask, is_causal, scale, window, softcap,
-                                   alibi_slopes)
+                                   alibi_slopes, query_offset)
     # P from the forward's lse (sinks included), 0 where disallowed or on rows with no allowed key
     probs = torch.exp(scores - lse.to(c)[..., None])
     keep = 1.0

@@ -6,11 +6,13 @@ The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`
 
     attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                       window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None,
-                      cu_seq_k=None, seqused_k=None, block_table=None, max_q=0, max_k=0, num_splits=0)
+                      cu_seq_k=None, seqused_k=None, block_table=None, max_q=0, max_k=0, num_splits=0,
+                      query_offset=0)
         -> (out, lse)
     attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
                        dropout_p, seed, compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None)
+                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None,
+                       query_offset=0)
         -> (dq, dk, dv, dmask, delta)
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
@@ -27,16 +29,18 @@ are at least the longest query and key sequence (the GPU kernels size their grid
 (Tq, H, Dv) contiguous, lse (H, Tq) float32. attn_mask and key_padding_mask are None and is_causal
 False in packed mode. Any strides with a unit last-dim stride; Hk divides H (GQA).
 
-Per sequence with Nq queries and Nk keys (dense: every batch entry), query i attends key j iff
+Per sequence with Nq queries and Nk keys (dense: every batch entry), query i sits at key position
+pos_i = i + Nk - Nq + query_offset: aligned to the bottom right (FlashAttention-2), moved by
+query_offset (packed: the same offset for every sequence). Query i attends key j iff
   j < Nk; the key is not padded (key_padding_mask (B, Nk) bool, True = padded); a bool attn_mask
   ((B, H, Nq, Nk) view, stride 0 on broadcast dims) is True there, a float one (q's dtype or
   float32) not -inf;
-  is_causal (dense only): j <= i (top-left aligned, as torch);
-  window (left, right), -1 = unbounded, aligned to the bottom right (FlashAttention-2):
-  i + Nk - Nq - left <= j <= i + Nk - Nq + right (so (-1, 0) is bottom-right causal).
+  is_causal (dense only): j <= i (top-left aligned, as torch; query_offset does not move it);
+  window (left, right), -1 = unbounded: pos_i - left <= j <= pos_i + right (so (-1, 0) is
+  bottom-right causal).
 The score of an allowed pair is s = scale * q_i . k_j, then s = softcap * tanh(s / softcap) where
-softcap > 0, then s -= slope[b, h] * |i + Nk - Nq - j| with ALiBi (alibi_slopes a (B, H) float32
-view), then s += attn_mask where it is float. out_i = sum_j p_ij v_j with p_ij = exp(s_ij - lse_i)
+softcap > 0, then s -= slope[b, h] * |pos_i - j| with ALiBi (alibi_slopes a (B, H) float32 view),
+then s += attn_mask where it is float. out_i = sum_j p_ij v_j with p_ij = exp(s_ij - lse_i)
 and lse_i = log(sum_j exp(s_ij) + exp(sinks[h])), the sink term only with sinks ((H,) float32:
 one logit per head that joins every row's softmax with no value). A row with no allowed key gives
 out 0 and lse = sinks[h], or +inf without sinks (so exp(s - lse) is 0 there). A +inf sink takes
@@ -48,6 +52,13 @@ Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p)
 one-element int64 CPU tensor (csrc/op_utils.h, dropout_seed, says why). num_splits: 0 lets the kernel split a
 row's keys over several programs or threads (decoding: few queries, many keys) and merge the parts
 by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
+
+query_offset (in [-2^30, 2^30]; 0 for the public functions, which do not take it) serves context
+parallelism, which computes attention block by block: a block of queries that starts at global
+position qo against a block of keys that starts at global position ko is query_offset = qo - ko
+with Nq = Nk, and global causal masking is window (-1, 0) (or (W, 0) for a sliding window). The
+offset may be negative or beyond the block: rows whose band holds no key then have no allowed
+key (out 0, lse the sink or +inf).
 
 dmask is empty unless compute_dmask (dense only); then it is dS (B, H, Nq, Nk) contiguous in the
 float mask's dtype (q's, or float32), the gradient of the final scores (so of an additive float
@@ -77,6 +88,10 @@ from ._validation import check_bools, check_float32_range, check_int64, real_sca
 
 _C, _ = _build.load()
 
+# None unless a context_parallel block is open in some thread; then transformer_fast.distributed.context,
+# whose functions serve that thread's calls on sequence shards and answer NotImplemented to other threads.
+_context_parallel = None
+
 
 # --------------------------------------------------------------------------------------------
 # Fake implementations (shapes only: torch.compile, FakeTensorMode, the meta device)
@@ -84,14 +99,10 @@ _C, _ = _build.load()
 @torch.library.register_fake("transformer_fast::attention_forward")
 def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1), softcap=0.0,
       alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None, block_table=None, max_q=0,
-      max_k=0, num_splits=0):
+      max_k=0, num_splits=0, query_offset=0):
     stats = torch.promote_types(q.dtype, torch.float32)
     if cu_seq_q is not None:
         Tq, H, _ = q.shape
-# None unless a context_parallel block is open in some thread; then transformer_fast.distributed.context,
-# whose functions serve that thread's calls on sequence shards and answer NotImplemented to other threads.
-_context_parallel = None
-
         return q.new_empty(Tq, H, v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
     B, H, Nq, _ = q.shape
     return empty_in_rows_of(q, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
@@ -100,7 +111,7 @@ _context_parallel = None
 @torch.library.register_fake("transformer_fast::attention_backward")
 def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
       window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0,
-      compute_delta=False, sinks=None):
+      compute_delta=False, sinks=None, query_offset=0):
     dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(attn_mask, q)) if compute_dmask else q.new_empty(0)
     delta = lse.new_empty(lse.shape) if compute_delta else q.new_empty(0)
     return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
@@ -169,7 +180,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     the backward kernels write the score gradient, (B, H, Nq, Nk) in the mask's dtype, which
     autograd sums over the mask's broadcast dims. With few queries against many keys (decoding
     from a cache) the kernels split the keys over threads or GPU programs (Flash-Decoding).
+    Inside ``transformer_fast.distributed.context_parallel`` the inputs are sequence shards.
     """
+    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
+        out = _context_parallel.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, window_size,
+            softcap, alibi_slopes, sinks, backend)
+        if out is not NotImplemented:
+            return out
     if scale is not None and type(scale) is not float:
         scale = _check_scale(scale)
     if window_size is not None:
@@ -180,14 +198,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p = _dropout_p(dropout_p)
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         check_bools(is_causal=is_causal, enable_gqa=enable_gqa)
-    Inside ``transformer_fast.distributed.context_parallel`` the inputs are sequence shards.
     if alibi_slopes is not None and not dynamo_compiling():
-    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
-        out = _context_parallel.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask, window_size,
-            softcap, alibi_slopes, sinks, backend)
-        if out is not NotImplemented:
-            return out
         check_float32_range("alibi_slopes", alibi_slopes, query)
     if (backend == "auto" and not dynamo_compiling()
             and direct(3, query, key, value, attn_mask, key_padding_mask, alibi_slopes, sinks)):
@@ -242,6 +253,12 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     ``transformer_fast.distributed.context_parallel`` the inputs are ``shard_packed``'s rows and
     the cumulative lengths and maxima the whole batch's.
     """
+    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
+        out = _context_parallel.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux, scale,
+                                            window_size, enable_gqa, seqused_k, block_table, num_splits, softcap,
+                                            alibi_slopes, sinks, dropout_p, backend)
+        if out is not NotImplemented:
+            return out
     if scale is not None and type(scale) is not float:
         scale = _check_scale(scale)
     window_size = _window(window_size, allow_none=False)
@@ -253,12 +270,6 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         check_int64(name, n)
     if num_splits is not None:
         if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool):
-    if _context_parallel is not None:  # a context_parallel block is open (in some thread)
-        out = _context_parallel.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux, scale,
-                                            window_size, enable_gqa, seqused_k, block_table, num_splits, softcap,
-                                            alibi_slopes, sinks, dropout_p, backend)
-        if out is not NotImplemented:
-            return out
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         check_int64("num_splits", num_splits)
     if type(enable_gqa) is not bool:
