@@ -240,12 +240,14 @@ def _semantics(group, world):
         thread.join(60)
         refusals["attn_mask"] = _refusal(lambda: sdpa(q_local, k_local, v_local,
                                                       attn_mask=torch.ones(n_local, n_local, dtype=torch.bool)))
-        refusals["key_padding_mask"] = _refusal(lambda: sdpa(q_local, k_local, v_local,
-                                                             key_padding_mask=torch.zeros(1, n_local, dtype=torch.bool)))
+        padded = torch.zeros(1, n_local, dtype=torch.bool)
+        refusals["key_padding_mask"] = _refusal(lambda: sdpa(q_local, k_local, v_local, key_padding_mask=padded))
         refusals["local queries"] = _refusal(lambda: sdpa(q_local[:, :, :1], k_local, v_local))
         refusals["backend"] = _refusal(lambda: sdpa(q_local, k_local, v_local, backend="cpp"))
         refusals["decoding step"] = _refusal(lambda: transformer_fast.linear_attention_step(
             q_local[:, :, 0], k_local[:, :, 0], v_local[:, :, 0]))
+        mha, x = transformer_fast.MultiheadAttention(16, 2, batch_first=True), torch.randn(1, n_local, 16)
+        refusals["need_weights"] = _refusal(lambda: mha(x, x, x))  # torch's unfused path: not routed
     facts["restored on exit"] = context.active() is None and attention_module._context_parallel is None
     try:
         with context_parallel(group):
@@ -294,7 +296,8 @@ def test_context_manager_nests_restores_and_stays_in_its_thread(module_ranks):
 def test_public_functions_refuse_what_the_forms_cannot_serve(module_ranks):
     expected = {"attn_mask": "does not take an attn_mask", "key_padding_mask": "does not take a key_padding_mask",
                 "local queries": "1 local queries against 8 local keys", "backend": "backend='cpp'",
-                "decoding step": "linear_attention_step under context_parallel"}
+                "decoding step": "linear_attention_step under context_parallel",
+                "need_weights": "MultiheadAttention with need_weights=True"}
     for _, refusals in (r["semantics"] for r in module_ranks):
         for case, words in expected.items():
             assert refusals[case] is not None and words in refusals[case], (case, refusals[case])

@@ -2,9 +2,10 @@
 Hugging Face Llama block, FSDP2 and DDP, on gloo processes (world sizes 2 and 4).
 
 Each world size is one spawn (a rank's imports cost seconds): its ranks run every check of
-CHECKS[world size] and return, per check, None or the traceback; each test reads its own. A check
-takes every collective (full_tensor, training steps) before it asserts anything, so that a rank
-failing an assertion never leaves the others waiting in a collective.
+CHECKS[world size] and return, per check, None or the traceback; each test reads its own. The
+checks assert on what every rank holds alike (full tensors, collective counts) after the
+collectives they compare, so an assertion fails on every rank at once and leaves none waiting in a
+collective (and the launcher bounds every wait).
 
 An op check runs the function three ways from the same float32 inputs: on DTensors placed as the
 check says, in one process on plain tensors, and as the float64 reference (transformer_fast.reference).
@@ -187,7 +188,8 @@ def check_attention_dropout_replicates(mesh, rank, ws):
     out = tf.scaled_dot_product_attention(**inputs, dropout_p=0.4)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, list(inputs.values()), dout)
-    placed = {k: distribute_tensor(v.detach(), mesh, [s0], src_data_rank=None).requires_grad_() for k, v in inputs.items()}
+    placed = {k: distribute_tensor(v.detach(), mesh, [s0], src_data_rank=None).requires_grad_()
+              for k, v in inputs.items()}
     torch.manual_seed(7)
     dout_d = tf.scaled_dot_product_attention(**placed, dropout_p=0.4)
     dgrads = torch.autograd.grad(dout_d, list(placed.values()), distribute_tensor(dout, mesh, dout_d.placements,
@@ -244,7 +246,8 @@ def check_norms(mesh, rank, ws):
     forward or backward."""
     from torch.distributed.tensor import Replicate, Shard
     s1, r = Shard(1), Replicate()
-    x = dict(input=torch.randn(2, ws + 1, 8, requires_grad=True), residual=torch.randn(2, ws + 1, 8, requires_grad=True),
+    x = dict(input=torch.randn(2, ws + 1, 8, requires_grad=True),
+             residual=torch.randn(2, ws + 1, 8, requires_grad=True),
              weight=torch.randn(8, requires_grad=True), bias=torch.randn(8, requires_grad=True))
     _op_check(mesh, lambda input, residual, weight, bias: tf.layer_norm(input, (8,), weight, bias, residual=residual),
               lambda input, residual, weight, bias: reference.layer_norm(input, (8,), weight, bias, residual=residual),
@@ -326,9 +329,9 @@ def check_two_dim_mesh(mesh, rank, ws):
               dict(input=batch_heads, weight=(Replicate(), Replicate())), out_placements=[batch_heads])
 
 
-OP_CHECKS = [check_flags_that_change_the_outputs, check_attention_batch, check_attention_heads_gqa, check_attention_heads_uneven,
-             check_attention_heads_that_cannot_align, check_attention_dropout_replicates, check_varlen_heads,
-             check_norms, check_linear_attention]
+OP_CHECKS = [check_flags_that_change_the_outputs, check_attention_batch, check_attention_heads_gqa,
+             check_attention_heads_uneven, check_attention_heads_that_cannot_align,
+             check_attention_dropout_replicates, check_varlen_heads, check_norms, check_linear_attention]
 
 
 # --------------------------------------------------------------------------------------------

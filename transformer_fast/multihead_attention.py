@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attention as _attention_module
 from ._module_support import NotScriptable, adopt, check_attention
 from ._validation import MAX_HEAD_DIM
 from .attention import scaled_dot_product_attention
@@ -104,6 +105,11 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
             # The weights need the unfused computation: torch's own (which takes an attn_mask
             # with is_causal; we accept is_causal alone and build the mask for it). So do head
             # dims beyond the kernels' limit and nested-tensor inputs.
+            if _attention_module._context_parallel is not None:  # not routed: refused in a context_parallel block
+                _attention_module._context_parallel.refuse_unrouted(
+                    "MultiheadAttention with need_weights=True (nn.MultiheadAttention's default), a head dim above "
+                    f"{MAX_HEAD_DIM} or nested tensors", "it runs torch's unfused attention on the shard alone; pass "
+                    "need_weights=False")
             if is_causal and attn_mask is None:
                 nq = query.shape[1 if (self.batch_first and query.dim() == 3) else 0]
                 nk = key.shape[1 if (self.batch_first and key.dim() == 3) else 0]

@@ -230,3 +230,10 @@ def linear_attention_step():
         raise ValueError("linear_attention_step under context_parallel: a decoding step advances one token's "
                          "state, which is not sharded over a sequence; run it outside the block (the final "
                          "state of a context-parallel prefill, output_final_state=True, is the whole sequence's)")
+
+
+def refuse_unrouted(what, why):
+    """Raises where the calling thread is inside a block: for callers whose computation does not go
+    through the routed functions and would attend over the shard alone."""
+    if active() is not None:
+        raise ValueError(f"{what} under context_parallel: {why}")
