@@ -168,14 +168,21 @@ def tiny_bloom_config():
     return transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
 
 
+# Falcon picks its attention class from FALCON_ATTENTION_CLASSES before transformers 5.25; since,
+# it dispatches through AttentionInterface (ALiBi models add the bias to the float mask).
+FALCON_OUTSIDE_INTERFACE = hasattr(transformers.models.falcon.modeling_falcon, "FALCON_ATTENTION_CLASSES")
+
+
 @pytest.mark.parametrize("model_cls, config, instead", [
     ("BloomModel", tiny_bloom_config, "eager"),
     ("XGLMModel", lambda: transformers.XGLMConfig(vocab_size=64, d_model=16, num_layers=1, attention_heads=2,
                                                   ffn_dim=32), "eager"),
     ("MPNetModel", lambda: transformers.MPNetConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                                     num_attention_heads=2, intermediate_size=32), "eager"),
-    ("FalconModel", lambda: transformers.FalconConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                                      num_attention_heads=2), "sdpa"),
+    pytest.param("FalconModel", lambda: transformers.FalconConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                                  num_attention_heads=2), "sdpa",
+                 marks=pytest.mark.skipif(not FALCON_OUTSIDE_INTERFACE, reason="served since transformers 5.25 "
+                                          "(test_falcon_served_through_the_attention_interface)")),
 ])
 def test_models_it_cannot_serve_are_refused_when_built(model_cls, config, instead):
     cls = getattr(transformers, model_cls)
@@ -210,10 +217,31 @@ def test_supports_model_follows_the_attention_interface():
     for served in ("BertModel", "BartForConditionalGeneration", "T5Model", "LlamaForCausalLM", "GPT2Model",
                    "Gemma3ForCausalLM", "Gemma2Model", "GptOssModel", "PegasusXModel"):
         assert tf_hf.supports_model(getattr(transformers, served)), served
-    for refused in ("BloomModel", "ConvBertModel", "BigBirdModel", "CanineModel", "FalconModel", "GitModel",
+    for refused in ("BloomModel", "ConvBertModel", "BigBirdModel", "CanineModel", "GitModel",
                     "SamVisionModel", "LongformerModel", "DeepseekV32Model"):
         assert not tf_hf.supports_model(getattr(transformers, refused)), refused
+    assert tf_hf.supports_model(transformers.FalconModel) is not FALCON_OUTSIDE_INTERFACE
     assert tf_hf.supports_model(transformers.BertModel._from_config(bert_config()))  # instances too
+
+
+@pytest.mark.skipif(FALCON_OUTSIDE_INTERFACE, reason="transformers < 5.25: Falcon is refused (its own attention)")
+@pytest.mark.parametrize("alibi, new_decoder_architecture", [(False, True), (True, False)])
+def test_falcon_served_through_the_attention_interface(alibi, new_decoder_architecture):
+    """Falcon with rotary embeddings (grouped key/value heads) and with ALiBi (multi-query; the bias
+    comes added to the float mask, padding masked in it) against sdpa: logits, gradients, generation."""
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_kv_heads=2, alibi=alibi, new_decoder_architecture=new_decoder_architecture,
+                                       hidden_dropout=0.0, attention_dropout=0.0)
+    ref, ours = pair(transformers.FalconForCausalLM, config)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 64, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[2, 5:] = 0
+    compare_logits_and_grads(ref, ours, dict(input_ids=ids, attention_mask=mask))
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids[:1], **kwargs), ref.generate(ids[:1], **kwargs))
 
 
 def test_register_twice_and_under_another_name():

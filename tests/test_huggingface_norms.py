@@ -22,14 +22,37 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm  # noqa: E4
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated  # noqa: E402
+from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.mt5.modeling_mt5 import MT5LayerNorm  # noqa: E402
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
 
+
+
+class Gemma3nRMSNormBefore525(nn.Module):
+    """Gemma 3n's norm as transformers wrote it before 5.25 (also Gemma 4's): the epsilon named `eps`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.with_scale = with_scale
+        if self.with_scale:
+            self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=True)
+
+    def _norm(self, hidden_states: torch.Tensor):
+        mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+        return hidden_states * torch.pow(mean_squared, -0.5)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        normed_output = self._norm(hidden_states.float())
+        if self.with_scale:
+            normed_output = normed_output * self.weight.float()
+        return normed_output.type_as(hidden_states)
+
+
 FORMS = {"llama": LlamaRMSNorm, "t5": T5LayerNorm, "olmo2": Olmo2RMSNorm, "gemma": GemmaRMSNorm,
-         "gemma3n": Gemma3nRMSNorm, "cohere": CohereLayerNorm}
+         "gemma3n": Gemma3nRMSNorm, "gemma3n before 5.25": Gemma3nRMSNormBefore525, "cohere": CohereLayerNorm}
 
 
 class PowerThreeNorm(nn.Module):
@@ -71,7 +94,8 @@ def converted(module):
 
 @pytest.mark.parametrize("make", [LlamaRMSNorm, Qwen3RMSNorm, T5LayerNorm, MT5LayerNorm, InheritedLlamaNorm,
                                   Olmo2RMSNorm, GptOssRMSNorm, GemmaRMSNorm, Gemma3RMSNorm, Gemma3nRMSNorm,
-                                  lambda n: Gemma3nRMSNorm(n, with_scale=False), CohereLayerNorm])
+                                  lambda n: Gemma3nRMSNorm(n, with_scale=False), Gemma3nRMSNormBefore525,
+                                  lambda n: Gemma3nRMSNormBefore525(n, with_scale=False), CohereLayerNorm])
 def test_forms_taken(make):
     module = make(16)
     cls = type(module)
@@ -92,7 +116,9 @@ def test_other_norms_left_alone():
     scale_without_weight = Gemma3nRMSNorm(16)
     del scale_without_weight.weight
     per_head = CohereLayerNorm((4, 16))  # Cohere's query/key norm: a weight per head
-    for module in (MambaRMSNormGated(16, 16), ShiftedGemmaNorm(16), per_head, PowerThreeNorm(16),
+    # Mamba-2's gated norm: MambaRMSNormGated before transformers 5.25, Mamba2RMSNormGated since
+    gated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    for module in (gated(16, 16), ShiftedGemmaNorm(16), per_head, PowerThreeNorm(16),
                    DoubledLlamaNorm(16), patched, without_weight, matrix_weight, scale_without_weight):
         before = type(module)
         assert not huggingface_norms.is_convertible_norm(module), before.__name__

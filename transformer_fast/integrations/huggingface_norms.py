@@ -9,7 +9,8 @@ of five forwards (n = x.float() * rsqrt(mean(x.float()^2) + eps), the input norm
                 of mixed-dtype calls)
     Olmo 2's:   y = (weight * n).to(x.dtype)                  (also GPT-OSS, Olmo 3, DeepSeek V4)
     Gemma's:    y = (n * (1 + weight.float())).to(x.dtype)     (Gemma 1-3, Qwen3-Next, Qwen3.5)
-    Gemma 3n's: y = (n * weight.float()).to(x.dtype), or n.to(x.dtype) without a scale (Gemma 4)
+    Gemma 3n's: y = (n * weight.float()).to(x.dtype), or n.to(x.dtype) without a scale (Gemma 4);
+                its epsilon is ``eps`` before transformers 5.25, ``variance_epsilon`` since
 
 and Cohere's LayerNorm without bias, y = (weight.float() * LN(x.float())).to(x.dtype) (Cohere,
 Cohere 2), which runs the LayerNorm kernel.
@@ -19,7 +20,7 @@ code of one of those, compared with copies kept here (``_llama_forward``, ...): 
 constants and names, so class names, comments and line numbers do not matter, and a family whose
 forward differs in any way (gated norms) is not taken. It must also hold a 1-D ``weight``
 parameter (Gemma 3n's form: where ``with_scale``) and a number epsilon
-(``variance_epsilon``, or ``eps``), and have no ``forward`` of its own on the instance (as
+(``variance_epsilon``, or ``eps`` where the form's code reads that), and have no ``forward`` of its own on the instance (as
 accelerate's hooks install). transformers is never imported: the comparison needs only the modules.
 
 ``convert`` turns such a module into a subclass of its own class (so ``isinstance`` checks and
@@ -87,8 +88,13 @@ def _gemma_forward(self, x):
     return output.type_as(x)
 
 
-def _gemma3n_norm(self, hidden_states):
+def _gemma3n_norm(self, hidden_states):  # transformers < 5.25
     mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+    return hidden_states * torch.pow(mean_squared, -0.5)
+
+
+def _gemma3n_norm_variance_epsilon(self, hidden_states):  # transformers >= 5.25 names the epsilon so
+    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon
     return hidden_states * torch.pow(mean_squared, -0.5)
 
 
@@ -156,7 +162,7 @@ def _fused_gemma3n(self, hidden_states):
     weight = self._parameters.get("weight") if self.with_scale else None
     if (weight is not None or not self.with_scale) and _served(hidden_states, weight):
         scale = None if weight is None else _widened(weight, hidden_states.dtype)
-        return rms_norm(hidden_states, hidden_states.shape[-1:], scale, self.eps)
+        return rms_norm(hidden_states, hidden_states.shape[-1:], scale, getattr(self, self._epsilon_attribute))
     return self._transformers_forward(hidden_states)
 
 
@@ -184,22 +190,25 @@ class _Form(NamedTuple):
     scale_optional: bool = False  # the weight exists where `with_scale` is True
 
 
-_FORMS = {  # forward's code -> its form
-    _code_key(_llama_forward): _Form((), "variance_epsilon", _fused_llama),
-    _code_key(_t5_forward): _Form((), "variance_epsilon", _fused_llama),
-    _code_key(_olmo2_forward): _Form((), "variance_epsilon", _fused_olmo2),
-    _code_key(_gemma_forward): _Form((("_norm", _code_key(_gemma_norm)),), "eps", _fused_gemma),
-    _code_key(_gemma3n_forward): _Form((("_norm", _code_key(_gemma3n_norm)),), "eps", _fused_gemma3n, True),
-    _code_key(_cohere_forward): _Form((), "variance_epsilon", _fused_cohere),
+_FORMS = {  # forward's code -> its forms (one per code of the methods it calls)
+    _code_key(_llama_forward): (_Form((), "variance_epsilon", _fused_llama),),
+    _code_key(_t5_forward): (_Form((), "variance_epsilon", _fused_llama),),
+    _code_key(_olmo2_forward): (_Form((), "variance_epsilon", _fused_olmo2),),
+    _code_key(_gemma_forward): (_Form((("_norm", _code_key(_gemma_norm)),), "eps", _fused_gemma),),
+    _code_key(_gemma3n_forward): (
+        _Form((("_norm", _code_key(_gemma3n_norm)),), "eps", _fused_gemma3n, True),
+        _Form((("_norm", _code_key(_gemma3n_norm_variance_epsilon)),), "variance_epsilon", _fused_gemma3n, True),
+    ),
+    _code_key(_cohere_forward): (_Form((), "variance_epsilon", _fused_cohere),),
 }
-FUSED_FORWARDS = tuple({form.fused for form in _FORMS.values()})
+FUSED_FORWARDS = tuple({form.fused for forms in _FORMS.values() for form in forms})
 
 
 def _form(cls):
-    form = _FORMS.get(_code_key(getattr(cls, "forward", None)))
-    if form is None or any(_code_key(getattr(cls, name, None)) != key for name, key in form.methods):
-        return None
-    return form
+    for form in _FORMS.get(_code_key(getattr(cls, "forward", None)), ()):
+        if all(_code_key(getattr(cls, name, None)) == key for name, key in form.methods):
+            return form
+    return None
 
 
 def is_convertible_norm(module) -> bool:
@@ -238,6 +247,7 @@ def fused_class(transformers_class):
         "__doc__": f"{transformers_class.__module__}.{transformers_class.__qualname__} running transformer_fast's "
                    f"fused norm kernel (transformer_fast.integrations.huggingface_norms).",
         "forward": _form(transformers_class).fused,
+        "_epsilon_attribute": _form(transformers_class).eps,
         "_transformers_class": transformers_class,
         "_transformers_forward": transformers_class.forward,
         "__reduce_ex__": _reduce_ex,
