@@ -64,6 +64,8 @@ TARGETS = {
     "host": ("host.run", "host cost per call of each public function on tiny tensors, one thread, against torch's"),
     "models": ("models.run",
                "BERT encoder, Llama-like decoder (training, generate), encoder-decoder: ours against the sdpa model"),
+    "distributed": ("distributed.run",
+                    "context parallelism, 2 gloo processes x 1 thread, N=16k: efficiency, memory, bytes per rank"),
 }
 SUITES = {
     "attention": "sweep over N: naive, torch SDPA, ours softmax and linear, PyTorch linear attention",

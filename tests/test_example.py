@@ -78,3 +78,36 @@ def test_example_learns_reversal(attention, tmp_path):
     """The full default run: >= 95% held-out exact-sequence accuracy."""
     result = train_seq2seq.main(["--attention", attention, "--no-progress", "--out", str(tmp_path)])
     assert result["held_out_exact_sequence_accuracy"] >= 0.95
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/context_parallel.py
+# ------------------------------------------------------------------------------------------------
+CONTEXT_PARALLEL_COMMAND = ["torchrun", "--standalone", "--nproc_per_node", "2", "examples/context_parallel.py"]
+
+
+def test_context_parallel_example_runs_under_torchrun():
+    """The README's command, as it stands there (torchrun --standalone picks a free port itself),
+    with gloo kept on the loopback interface; the example exits 1 if its loss leaves the
+    one-process loss."""
+    pytest.importorskip("transformers")
+    import signal
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = ([torchrun] if os.path.exists(torchrun) else [sys.executable, "-m", "torch.distributed.run"]) + \
+        CONTEXT_PARALLEL_COMMAND[1:]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the two processes it started
+        out, err = proc.communicate()
+        pytest.fail(f"the example did not finish within 300 s:\n{out[-2000:]}\n{err[-3000:]}")
+    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
+    assert out.count("in one process (relative difference") == 3
+    assert "the context-parallel loss matches the one-process loss" in out
+
+
+def test_readme_shows_the_context_parallel_command():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert " ".join(CONTEXT_PARALLEL_COMMAND) in f.read()
