@@ -10,6 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 import hf_families  # noqa: E402
 
+# Falcon runs its own attention classes before transformers 5.25 and AttentionInterface since.
+FALCON_OUTSIDE_INTERFACE = hasattr(transformers.models.falcon.modeling_falcon, "FALCON_ATTENTION_CLASSES")
+
 SERVED = [
     # encoder-only
     "bert", "roberta", "electra", "distilbert", "modernbert",
@@ -21,13 +24,13 @@ SERVED = [
     "bart", "t5", "m2m_100",
     # served through its flex-attention support, compared with eager: sinks and sliding windows
     "gpt_oss",
-]
+] + ([] if FALCON_OUTSIDE_INTERFACE else ["falcon"])
 # Their attention does not go through AttentionInterface: served, they lost the causal mask (bloom,
 # xglm, gpt_neox_japanese), ignored padding (convbert, mpnet, ibert, big_bird, canine) or failed
-# with a KeyError (falcon, git).
-REFUSED = ["bloom", "xglm", "gpt_neox_japanese", "convbert", "mpnet", "ibert", "big_bird", "canine", "falcon", "git",
+# with a KeyError (falcon before transformers 5.25, git).
+REFUSED = ["bloom", "xglm", "gpt_neox_japanese", "convbert", "mpnet", "ibert", "big_bird", "canine", "git",
            # folds its indexer's top-k selection into the mask only for eager and sdpa, else passes `indices`
-           "deepseek_v32"]
+           "deepseek_v32"] + (["falcon"] if FALCON_OUTSIDE_INTERFACE else [])
 
 
 @pytest.mark.parametrize("family", SERVED)
