@@ -1,4 +1,4 @@
-"""Runs a test body on several gloo processes on this machine (loopback only), every wait bounded.
+"""Runs a test body on several gloo (or NCCL) processes on this machine (loopback only), every wait bounded.
 
     def body(rank, world_size, group, *args):   # a module-level function (spawn pickles it by name)
         ...                                       # assert freely: a failure on any rank fails the test
@@ -24,13 +24,15 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT = 120.0
 
 
-def _worker(rank, world_size, init_file, timeout, fn, args, queue):
+def _worker(rank, world_size, init_file, timeout, fn, args, queue, backend):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         try:
             result = fn(rank, world_size, dist.group.WORLD, *args)
@@ -41,8 +43,9 @@ def _worker(rank, world_size, init_file, timeout, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world_size, args=(), timeout=DEFAULT_TIMEOUT):
-    """fn(rank, world_size, group, *args) on world_size gloo processes; their results by rank."""
+def run_ranks(fn, world_size, args=(), timeout=DEFAULT_TIMEOUT, backend="gloo"):
+    """fn(rank, world_size, group, *args) on world_size processes; their results by rank. backend
+    "nccl" gives rank r the GPU cuda:r (the caller checks there are world_size GPUs)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="transformer_fast-dist-")
@@ -50,7 +53,8 @@ def run_ranks(fn, world_size, args=(), timeout=DEFAULT_TIMEOUT):
     env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS",)}
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, timeout, fn, args, queue), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, timeout, fn, args, queue, backend),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

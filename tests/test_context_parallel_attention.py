@@ -17,8 +17,16 @@ MODES = ("ring", "all_gather", "ulysses")
 LAYOUTS = ("head_tail", "contiguous")
 
 
+# The device of the context-parallel calls: the CPU (gloo), or each rank's GPU (NCCL).
+_DEVICE = torch.device("cpu")
+
+
+def _on_device(kw):
+    return {k: (v.to(_DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
 def _close(actual, ref64, ref_lowp, what, atol):
-    err = (actual.double() - ref64).abs().max().item() if actual.numel() else 0.0
+    err = (actual.double().cpu() - ref64).abs().max().item() if actual.numel() else 0.0
     ref_err = (ref_lowp.double() - ref64).abs().max().item() if actual.numel() else 0.0
     assert err <= 2 * ref_err + atol, f"{what}: error {err:.3e} > 2 x {ref_err:.3e} + {atol:.0e}"
 
@@ -53,11 +61,12 @@ def _dense_case(rank, w, group, mode, layout, causal, dtype=torch.float32, chunk
     ref64 = _reference(*rounded, s, torch.float64, causal, kw)
     ref_lowp = _reference(*rounded, s, dtype, causal, kw)
     sh = lambda t: shard_sequence(t, group, 2, layout)  # noqa: E731
-    local = [sh(t).to(dtype).requires_grad_() for t in (q, k, v)]
-    ls = None if s is None else s.float().requires_grad_()
+    local = [sh(t).to(_DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    ls = None if s is None else s.float().to(_DEVICE).requires_grad_()
     out, lse = cp.context_parallel_attention(*local, group, mode=mode, layout=layout, is_causal=causal,
-                                             enable_gqa=H != Hk, sinks=ls, return_lse=True, **kw)
-    out.backward(sh(do).to(dtype))
+                                             enable_gqa=H != Hk, sinks=ls, return_lse=True, **_on_device(kw))
+    out.backward(sh(do).to(_DEVICE, dtype))
+    lse = lse.cpu()
     what = f"{mode} {layout} causal={causal} {dtype} {sorted(kw)} sinks={sinks} w={w}"
     atol = _ATOL[dtype]
     _close(out, sh(ref64[0]), sh(ref_lowp[0]), f"{what}: out", atol)
@@ -112,13 +121,14 @@ def _varlen_case(rank, w, group, causal, lengths_q, lengths_k=None, H=4, Hk=2, D
         out, lse = reference.varlen_attention(*ins, cq, ck, window_size=ref_window, sinks=rs, return_lse=True, **rkw)
         out.backward(do.to(dtype))
         refs.append((out, lse, *(t.grad for t in ins), None if rs is None else rs.grad))
-    local_q = [shard_packed(t, cq, group)[0].float().requires_grad_() for t in (q,)]
-    local_kv = [shard_packed(t, ck, group)[0].float().requires_grad_() for t in (k, v)]
-    ls = None if s is None else s.float().requires_grad_()
-    out, lse = cp.context_parallel_varlen_attn(local_q[0], *local_kv, cq, ck, max(lengths_q), max(lengths_k), group,
-                                               is_causal=causal, enable_gqa=H != Hk, sinks=ls, window_size=window,
-                                               return_lse=True, **kw)
-    out.backward(shard_packed(do, cq, group)[0].float())
+    local_q = [shard_packed(t, cq, group)[0].to(_DEVICE, torch.float32).requires_grad_() for t in (q,)]
+    local_kv = [shard_packed(t, ck, group)[0].to(_DEVICE, torch.float32).requires_grad_() for t in (k, v)]
+    ls = None if s is None else s.float().to(_DEVICE).requires_grad_()
+    out, lse = cp.context_parallel_varlen_attn(local_q[0], *local_kv, cq.to(_DEVICE), ck.to(_DEVICE), max(lengths_q),
+                                               max(lengths_k), group, is_causal=causal, enable_gqa=H != Hk, sinks=ls,
+                                               window_size=window, return_lse=True, **_on_device(kw))
+    out.backward(shard_packed(do, cq, group)[0].to(_DEVICE, torch.float32))
+    lse = lse.cpu()
     what = f"varlen causal={causal} {lengths_q}/{lengths_k} {sorted(kw)} window={window} sinks={sinks} w={w}"
     shq = lambda t: shard_packed(t, cq, group)[0]  # noqa: E731
     shk = lambda t: shard_packed(t, ck, group)[0]  # noqa: E731
@@ -175,7 +185,9 @@ def _sequence_case(rank, w, group):
                            x.transpose(1, 2)), layout
 
 
-def run_jobs(rank, w, group, jobs):
+def run_jobs(rank, w, group, jobs, device="cpu"):
+    global _DEVICE
+    _DEVICE = torch.device(device)
     for name, kwargs in jobs:
         globals()[name](rank, w, group, **kwargs)
     return True
@@ -220,6 +232,15 @@ def test_world_4():
     jobs = (_dense_jobs(4, causal_only=True) + _varlen_jobs()[1:2]
             + [("_communication_case", {}), ("_sequence_case", {})])
     assert run_ranks(run_jobs, 4, args=(jobs,)) == [True] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per NCCL rank)")
+def test_world_2_nccl_on_gpus():
+    """The same cases on CUDA tensors over NCCL, one GPU per rank: the algorithm has no device
+    branch, so this checks the CUDA kernels and NCCL's collectives under it."""
+    jobs = _dense_jobs(2) + _varlen_jobs()
+    assert run_ranks(run_jobs, 2, args=(jobs, "cuda"), backend="nccl") == [True, True]
 
 
 # ---- Dropout: a different mask than one device's, with the right statistics and gradients ----
