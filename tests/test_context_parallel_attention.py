@@ -11,6 +11,9 @@ import torch
 
 from distributed_launch import run_ranks
 from transformer_fast.distributed import attention as cp
+from transformer_fast.distributed import plan as cp_plan
+from transformer_fast.distributed import ring
+from transformer_fast.distributed import varlen as cp_varlen
 from transformer_fast.distributed.sequence import shard_packed, shard_positions, shard_sequence, unshard_sequence
 
 MODES = ("ring", "all_gather", "ulysses")
@@ -84,14 +87,8 @@ def _dense_case(rank, w, group, mode, layout, causal, dtype=torch.float32, chunk
 
 
 def _positional_case(rank, w, group, mode, layout, causal, **kw):
-    """Window/ALiBi: served (and checked) where the mode can place the queries, else refused."""
-    served = mode == "ulysses" or cp.has_query_offset() or (mode == "all_gather" and causal)
-    if served:
-        _dense_case(rank, w, group, mode, layout, causal, **kw)
-        return
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="query_offset"):
-        cp.context_parallel_attention(q, q, q, group, mode=mode, layout=layout, is_causal=causal, **kw)
+    """Window/ALiBi: every mode places each block's queries (the kernel ops' query_offset)."""
+    _dense_case(rank, w, group, mode, layout, causal, **kw)
 
 
 def _varlen_case(rank, w, group, causal, lengths_q, lengths_k=None, H=4, Hk=2, D=12, Dv=8, sinks=False, **kw):
@@ -124,7 +121,7 @@ def _varlen_case(rank, w, group, causal, lengths_q, lengths_k=None, H=4, Hk=2, D
     local_q = [shard_packed(t, cq, group)[0].to(_DEVICE, torch.float32).requires_grad_() for t in (q,)]
     local_kv = [shard_packed(t, ck, group)[0].to(_DEVICE, torch.float32).requires_grad_() for t in (k, v)]
     ls = None if s is None else s.float().to(_DEVICE).requires_grad_()
-    out, lse = cp.context_parallel_varlen_attn(local_q[0], *local_kv, cq.to(_DEVICE), ck.to(_DEVICE), max(lengths_q),
+    out, lse = cp_varlen.context_parallel_varlen_attn(local_q[0], *local_kv, cq.to(_DEVICE), ck.to(_DEVICE), max(lengths_q),
                                                max(lengths_k), group, is_causal=causal, enable_gqa=H != Hk, sinks=ls,
                                                window_size=window, return_lse=True, **_on_device(kw))
     out.backward(shard_packed(do, cq, group)[0].to(_DEVICE, torch.float32))
@@ -148,25 +145,25 @@ def _varlen_case(rank, w, group, causal, lengths_q, lengths_k=None, H=4, Hk=2, D
 
 def _communication_case(rank, w, group):
     """The ring sends exactly w - 1 key/value blocks forward (and w - 1 again plus w dK/dV
-    accumulators backward), and every mode's bytes match _bytes_sent_per_rank."""
+    accumulators backward), and every mode's bytes match plan.bytes_sent_per_rank."""
     B, H, Hk, n, D, Dv = 1, 2 * w, w, 6, 8, 4
     for mode in MODES:
         q = torch.randn(B, H, n, D, requires_grad=True)
         k = torch.randn(B, Hk, n, D, requires_grad=True)
         v = torch.randn(B, Hk, n, Dv, requires_grad=True)
-        cp.reset_communication_counters()
+        cp_plan.reset_communication_counters()
         out = cp.context_parallel_attention(q, k, v, group, mode=mode, is_causal=True, enable_gqa=True)
-        forward = cp.communication_counters()
+        forward = cp_plan.communication_counters()
         out.sum().backward()
-        both = cp.communication_counters()
+        both = cp_plan.communication_counters()
         if mode == "ring":
             assert forward == {("ring", "forward", "key/value"): [w - 1, (w - 1) * B * Hk * n * (D + Dv) * 4]}
             assert both[("ring", "backward", "key/value")][0] == w - 1
             assert both[("ring", "backward", "dK/dV")][0] == w
         sent = lambda counters: sum(b for _, b in counters.values())  # noqa: E731
         args = (mode, B, H, Hk, n * w, D, Dv, w)
-        assert sent(forward) == cp._bytes_sent_per_rank(*args), (mode, forward)
-        assert sent(both) == cp._bytes_sent_per_rank(*args, backward=True), (mode, both)
+        assert sent(forward) == cp_plan.bytes_sent_per_rank(*args), (mode, forward)
+        assert sent(both) == cp_plan.bytes_sent_per_rank(*args, backward=True), (mode, both)
 
 
 def _sequence_case(rank, w, group):
@@ -321,7 +318,7 @@ def _bad_input_body(rank, w, group):
     cu = torch.tensor([0, 3, 7 + rank], dtype=torch.int32)
     x = torch.randn(7 + rank, 2, 4)
     with pytest.raises(ValueError, match="cu_seq_q"):
-        cp.context_parallel_varlen_attn(shard_packed(x, cu, group)[0], shard_packed(x, cu, group)[0],
+        cp_varlen.context_parallel_varlen_attn(shard_packed(x, cu, group)[0], shard_packed(x, cu, group)[0],
                                         shard_packed(x, cu, group)[0], cu, cu, 5, 5, group)
     with pytest.raises(NotImplementedError, match="key_padding_mask"):
         cp.context_parallel_attention(q, q, q, group, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))
@@ -344,14 +341,14 @@ def test_head_tail_causal_ring_is_balanced(w):
     idle after step 0."""
     c = 5
     for rank in range(w):
-        plan = cp._Plan(None, w, rank, "head_tail", 2 * c, True, 1.0, (-1, -1), 0.0, None, 0.0, None)
-        calls = cp._step_calls(plan, rank)
+        plan = cp_plan.Plan(None, w, rank, "head_tail", 2 * c, True, 1.0, (-1, -1), 0.0, None, 0.0, None)
+        calls = ring.step_calls(plan, rank)
         assert [(s.start, s.stop, t.start, t.stop, kind) for s, t, *_, kind in calls] == [(0, 2 * c, 0, 2 * c,
                                                                                            "causal")]
         for step in range(1, w):
-            calls = cp._step_calls(plan, (rank - step) % w)
+            calls = ring.step_calls(plan, (rank - step) % w)
             assert len(calls) == 1 and calls[0][4] == "full"
             rows, keys = calls[0][:2]
             assert (rows.stop - rows.start) * (keys.stop - keys.start) == 2 * c * c
-    plan = cp._Plan(None, w, 0, "contiguous", c, True, 1.0, (-1, -1), 0.0, None, 0.0, None)
-    assert all(cp._step_calls(plan, src) == [] for src in range(1, w))
+    plan = cp_plan.Plan(None, w, 0, "contiguous", c, True, 1.0, (-1, -1), 0.0, None, 0.0, None)
+    assert all(ring.step_calls(plan, src) == [] for src in range(1, w))

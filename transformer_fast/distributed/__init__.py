@@ -11,6 +11,7 @@ See docs/distributed.md.
 """
 from .context import context_parallel  # noqa: F401
 from .linear_attention import context_parallel_linear_attention  # noqa: F401
-from .attention import (communication_counters, context_parallel_attention,  # noqa: F401
-                        context_parallel_varlen_attn, reset_communication_counters)
+from .attention import context_parallel_attention  # noqa: F401
+from .plan import communication_counters, reset_communication_counters  # noqa: F401
+from .varlen import context_parallel_varlen_attn  # noqa: F401
 from .sequence import shard_packed, shard_positions, shard_sequence, unshard_sequence  # noqa: F401

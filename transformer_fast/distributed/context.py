@@ -197,7 +197,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux,
     left, right = window_size if isinstance(window_size, (tuple, list)) and len(window_size) == 2 else (None, None)
     is_causal = right == 0
     window = None if (left, right) in ((-1, -1), (-1, 0)) else window_size
-    from .attention import context_parallel_varlen_attn
+    from .varlen import context_parallel_varlen_attn
     return_lse = return_aux is not None and bool(getattr(return_aux, "lse", False))
     with _routing_off():
         result = context_parallel_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, setting.group,
