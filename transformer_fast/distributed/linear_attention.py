@@ -203,7 +203,7 @@ class _PrefixStates(torch.autograd.Function):
     ranks by one all-reduce."""
 
     @staticmethod
-    def forward(ctx, local, initial, group, order, mine):
+    def forward(ctx, local, initial, group, order, mine, key, value):
         ordered = _all_gather_rows(local.reshape(-1), group).view(-1, local.shape[1])[order]
         inclusive = ordered.cumsum(0)
         before = torch.cat([torch.zeros_like(inclusive[:1]), inclusive[:-1]])
@@ -223,7 +223,7 @@ class _PrefixStates(torch.autograd.Function):
             owed[:g] += d_prefixes[m]
             owed[n] += d_prefixes[m]
         dist.all_reduce(owed, group=ctx.group)
-        return owed[ctx.mine], (owed[n] if ctx.has_initial else None), None, None, None
+        return owed[ctx.mine], (owed[n] if ctx.has_initial else None), None, None, None, None, None
 
 
 class _SumStates(torch.autograd.Function):
@@ -268,7 +268,10 @@ def _causal(query, key, value, key_padding_mask, eps, S0, z0, output_final_state
             S, z = query.new_zeros(B, H, D, Dv, dtype=dtype), query.new_zeros(B, H, D, dtype=dtype)
         states.append(_pack(S, z))
     initial = None if S0 is None else _pack(S0, z0)
-    prefixes, total = _PrefixStates.apply(torch.stack(states), initial, group, order, mine)
+    # key and value anchor the exchange in the graph: the rank holding only the last chunk computes
+    # no state from them, yet its backward must join the exchange's all-reduce, and autograd runs a
+    # node only on a path to the tensors whose gradients are asked for.
+    prefixes, total = _PrefixStates.apply(torch.stack(states), initial, group, order, mine, key, value)
     prefix_S, prefix_z = _unpack(prefixes, B, H, D, Dv)
     outs = []
     for m in range(chunks):
