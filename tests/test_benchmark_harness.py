@@ -33,7 +33,7 @@ def _bench(*args, timeout=600):
 
 
 CPU_SUITES = ("attention", "layer_norm", "train_step", "target_cpu_attention", "target_cpu_layer_norm",
-              "target_cpu_linear_attention", "host", "models", "linear_state", "varlen")
+              "target_cpu_linear_attention", "host", "models", "linear_state", "varlen", "distributed")
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +318,26 @@ def test_cpu_target_suites_write_their_results(harness):
                                                                                                   "non-causal"}
     # smoke runs never count as results
     assert summary.load_all(str(out)) == []
+
+
+def test_distributed_suite_checks_and_times_every_mode(harness):
+    """Two gloo processes: every context-parallel mode checked against the one-process run, then
+    timed forward and forward+backward, with memory, bytes sent and a profile per rank."""
+    out, _, _ = harness
+    result = json.loads((out / "smoke-distributed.json").read_text())
+    body = result["result"]
+    assert result["suite"] == "distributed" and body["world"] == 2
+    from benchmarks import distributed
+    assert list(body["checks"]) == list(distributed.IMPLS)
+    assert all(c["ok"] and c["max_error"] <= c["error_bound"] for c in body["checks"].values()), body["checks"]
+    rows = body["rows"]
+    assert {(r["impl"], r["pass"]) for r in rows} == {(i, p) for i in distributed.IMPLS
+                                                      for p in ("forward", "forward+backward")}
+    for r in rows:
+        assert r["status"] == "ok" and r["efficiency"] > 0 and r["memory_ratio"] > 0, r
+        assert len(r["bytes_sent_per_rank"]) == 2 and min(r["bytes_sent_per_rank"]) >= r["ideal_bytes_per_rank"], r
+        assert all(p["compute_ms"] >= 0 for p in r["profile_per_rank"]), r
+    assert (out / "smoke-distributed.md").read_text().startswith("# distributed:")
 
 
 def test_linear_state_suite_checks_and_times_each_variant(harness):
