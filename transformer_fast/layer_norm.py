@@ -1,5 +1,5 @@
 """LayerNorm and RMSNorm with the residual add fused in: the public functions and the fake kernels
-of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
+of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``nn/normalization.py``).
 
 The kernel ops normalise the last dim:
 
