@@ -54,7 +54,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .. import _backends, _explicit
+from .. import _backends, _named_backend
 from .._device_kernels import op_kernel
 from .sequence import LAYOUTS, check_divisible, check_layout, chunk_count, global_order, packed_rows, rank_chunks
 
@@ -494,7 +494,7 @@ class _RingAttention(torch.autograd.Function):
         dkv = grads_in[0]   # gloo's send work hangs on a second wait)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = _explicit.sinks_gradient(delta, lse, sinks.to(stats), False).to(sinks.dtype)
+            dsinks = _named_backend.sinks_gradient(delta, lse, sinks.to(stats), False).to(sinks.dtype)
         return dq.to(q.dtype), dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype), dsinks, None
 
 
@@ -644,7 +644,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dkv[:, :, k0:k1, :D] += dk_c
             dkv[:, :, k0:k1, D:] += dv_c
             if want_dsinks:
-                part = _explicit.sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
+                part = _named_backend.sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
                 dsinks = part if dsinks is None else dsinks + part
         mine = _scatter_sum(plan, dkv, ("all_gather", "backward", "dK/dV"))
         return (dq, mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype),
@@ -717,8 +717,8 @@ def _ulysses(q, k, v, group, layout, is_causal, scale, window, softcap, alibi_sl
     if sinks is not None:
         extras["sinks"] = sinks[heads] if sinks.dtype == stats else sinks.to(stats)[heads]
     backend = _backends.select_backend(q.device, q.dtype, "auto", "attention")
-    out, lse = _explicit.attention(backend, qh, kh, vh, None, None, is_causal, scale, dropout_p,
-                                   _chunk_seed(seed, rank), extras)
+    out, lse = _named_backend.attention(backend, qh, kh, vh, None, None, is_causal, scale, dropout_p,
+                                       _chunk_seed(seed, rank), extras)
     lse_seq = _heads_to_seq(lse.detach().unsqueeze(-1), group, layout).squeeze(-1) if return_lse else None
     return _HeadsToSeq.apply(out, group, layout), lse_seq
 
@@ -879,5 +879,5 @@ class _PackedAttention(torch.autograd.Function):
         whole = torch.zeros(int(plan.ck[-1]), k.shape[1], D + v.shape[-1], dtype=stats, device=k.device)
         whole.index_add_(0, plan.key_rows, torch.cat([dk, dv], dim=-1).to(stats))
         mine = _scatter_packed(plan, whole, ("varlen", "backward", "dK/dV"))
-        dsinks = _explicit.sinks_gradient(delta, lse, sink_arg, True).to(sinks.dtype) if want_dsinks else None
+        dsinks = _named_backend.sinks_gradient(delta, lse, sink_arg, True).to(sinks.dtype) if want_dsinks else None
         return dq, mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype), dsinks, None
