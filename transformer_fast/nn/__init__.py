@@ -1,7 +1,8 @@
 """The modules: drop-ins for ``torch.nn``'s norms (``normalization.py``), ``MultiheadAttention``
 (``multihead_attention.py``) and Transformer layers and stacks (``transformer.py``), ``convert``,
 which swaps them into any model (``conversion.py``), and an encoder-decoder built from them with
-incremental decoding (``seq2seq.py``). ``transformer_fast`` exports them all."""
+incremental decoding (``seq2seq.py``). ``transformer_fast`` exports all of them but
+``PositionalEncoding``."""
 from .conversion import convert
 from .multihead_attention import MultiheadAttention
 from .normalization import LayerNorm, RMSNorm
