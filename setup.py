@@ -16,7 +16,8 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 build_config = runpy.run_path(os.path.join(ROOT, "transformer_fast", "_build_config.py"))
 
-PACKAGES = ["transformer_fast", "transformer_fast.integrations", "transformer_fast.kernels", "transformer_fast.csrc"]
+PACKAGES = ["transformer_fast", "transformer_fast.distributed", "transformer_fast.integrations", "transformer_fast.nn",
+            "transformer_fast.kernels", "transformer_fast.csrc"]
 # kernels/ and csrc/ live at the top level (design card) but install inside the package:
 # nothing may install a top-level module called `kernels` (a PyPI package of that name exists).
 PACKAGE_DIR = {"transformer_fast": "transformer_fast", "transformer_fast.kernels": "kernels", "transformer_fast.csrc": "csrc"}

@@ -4,7 +4,7 @@ A *group* holds the inputs of one case (family, configuration, sequence length) 
 implementations compared on it; the harness checks every implementation against a float64
 oracle once, then times them interleaved. Everything of ours is called through the public API
 (``transformer_fast.scaled_dot_product_attention``, ``linear_attention``, ``layer_norm``,
-``transformer_fast.models.Seq2SeqTransformer``), so the same code times whichever backend the
+``transformer_fast.Seq2SeqTransformer``), so the same code times whichever backend the
 dispatcher picks (C++ on CPU, Triton on CUDA).
 
 Families and implementations:
@@ -402,7 +402,7 @@ class TorchSeq2Seq(nn.Module):
 
 
 def build_ours_model(attention, vocab, d_model, nhead, num_layers, dim_feedforward, max_len):
-    from transformer_fast.models import Seq2SeqTransformer
+    from transformer_fast import Seq2SeqTransformer
     return Seq2SeqTransformer(vocab, vocab, d_model=d_model, nhead=nhead, num_encoder_layers=num_layers,
                               num_decoder_layers=num_layers, dim_feedforward=dim_feedforward, dropout=0.0,
                               attention=attention, max_len=max_len)

@@ -91,7 +91,7 @@ struct Registry {
   std::mutex mutex;
   std::unordered_map<std::string, NativeOp> ops;  // by the op's name, "<namespace>::<name>"
   py::object python_call;  // transformer_fast._native_calls.call(name, args, record, seed) -> (results, recipe)
-  bool poison = false;     // new outputs NaN-filled (-1 for ints), as kernels/_utils.new_output
+  bool poison = false;     // new outputs NaN-filled (-1 for ints), as kernels/_new_tensors.new_output
 };
 
 Registry& registry() {

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from transformer_fast.models import Seq2SeqTransformer
+from transformer_fast import Seq2SeqTransformer
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_TOKEN = 3  # ids FIRST_TOKEN.. are the sequence symbols

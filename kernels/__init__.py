@@ -29,4 +29,4 @@ if __name__ == "kernels":
     _sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds after this file
     _spec.loader.exec_module(_module)
 else:
-    from ._utils import interpreting  # noqa: F401
+    from ._triton_options import interpreting  # noqa: F401

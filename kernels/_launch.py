@@ -49,7 +49,7 @@ through a recording CUDA driver library) and against Triton's results on an H100
 
 With the same setting, the attention and norm ops' CUDA kernels are native calls
 (transformer_fast/_native_calls.py, csrc/native_calls.cpp), which replay a call's packed launches
-from C++. A thread's call recording (kernels/_utils.record_call) collects the packed launches made
+from C++. A thread's call recording (kernels/_call_recording.record_call) collects the packed launches made
 here; any other launch marks it incomplete (`_not_packed`). Forgetting plans or kernels drops the
 native calls' recipes too (`_forget_hooks`)."""
 import ctypes
@@ -58,7 +58,8 @@ import struct
 import threading
 import weakref
 
-from ._utils import interpreting, recording
+from ._call_recording import recording
+from ._triton_options import interpreting
 
 _DIRECT = os.environ.get("TRANSFORMER_FAST_DIRECT_LAUNCH", "1") != "0"
 _NATIVE = os.environ.get("TRANSFORMER_FAST_NATIVE_LAUNCH", "1") != "0"

@@ -33,9 +33,11 @@ import types
 
 import torch
 
+from ._grid_math import cdiv
 from ._launch import CompiledLaunch, LaunchPlan, Plans, TunedLaunch, seed_class
-from ._utils import (LAUNCH_OPTIONS, cdiv, contiguous, new_output, new_output_in_rows_of, new_scratch,
-                     new_scratch_in_rows_of, row_strides, strides_in_rows_of)
+from ._new_tensors import (contiguous, new_output, new_output_in_rows_of, new_scratch, new_scratch_in_rows_of,
+                           row_strides, strides_in_rows_of)
+from ._triton_options import LAUNCH_OPTIONS
 from .attention_backward import (attention_bwd_dkdv_kernel, attention_bwd_dq_convert_kernel,  # noqa: F401
                                  attention_bwd_dq_kernel, attention_bwd_preprocess_kernel)
 from .attention_common import LOG2E

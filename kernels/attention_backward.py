@@ -24,7 +24,7 @@ written out for a float mask is the gradient of the final scores, before that fa
 import triton
 import triton.language as tl
 
-from ._utils import autotune
+from ._autotune import autotune
 from .attention_common import (_dropout_keep, _key_ok, _key_tiles, _load_rows, _masked_count, _masked_tile,
                                _query_tiles, _scores, _sequence, _store_rows)
 from .attention_tiles import (DKDV_TILES_FP32, DKDV_TILES_LOWP, DKDV_TUNE_KEY, DQ_TILES_FP32, DQ_TILES_LOWP,

@@ -16,7 +16,7 @@ contiguous share of the tiles and the same kinds inside it (`_split_tiles`).
 import triton
 import triton.language as tl
 
-from ._utils import interpreting
+from ._triton_options import interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -16,8 +16,9 @@ import math
 import triton
 import triton.language as tl
 
-from . import _utils
-from ._utils import cdiv, interpreting
+from . import _grid_math
+from ._grid_math import cdiv
+from ._triton_options import interpreting
 from .attention_forward import _fwd_store
 
 # A split's share is at least this many keys (about the keys a program streams before its
@@ -74,7 +75,7 @@ def sm_count(device):
     """The number of SMs of `device` (INTERPRETER_SMS under the interpreter)."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_SMS
-    return _utils.sm_count(device)
+    return _grid_math.sm_count(device)
 
 
 def pack_gqa(group, rows, dropout_p):

@@ -17,7 +17,7 @@ tile is read once per key head, not once per query head.
 import triton
 import triton.language as tl
 
-from ._utils import autotune
+from ._autotune import autotune
 from .attention_common import (_dropout_keep, _key_ok, _key_tiles, _load_rows, _masked_count, _masked_tile, _pages,
                                _scores, _sequence, _split_tiles, _store_rows)
 from .attention_tiles import FWD_TILES_FP32, FWD_TILES_LOWP, FWD_TUNE_KEY, fwd_configs, pruner

@@ -7,7 +7,9 @@ Which tiles are listed, and why, is in docs/attention.md ("Tiles"); the compile 
 """
 import triton
 
-from ._utils import forced_tile_index, interpreting, next_power_of_2
+from ._autotune import forced_tile_index
+from ._grid_math import next_power_of_2
+from ._triton_options import interpreting
 
 
 def block_dim(d):

@@ -111,8 +111,8 @@ def attention_cases():
                           PACK_GQA=bool(flags.get("pack_gqa")), ATOMIC_DQ=bool(flags.get("atomic_dq")),
                           BLOCK_M=block_m, BLOCK_N=block_n)
         # the launchers' own outputs have unit row strides (in rows of the head dim) where dense and
-        # contiguous, unit head strides where packed or laid out (B, N, H, D) (transformer_fast/_layout.py);
-        # Triton specializes an int argument equal to 1 as a constant
+        # contiguous, unit head strides where packed or laid out (B, N, H, D)
+        # (transformer_fast/_result_layout.py); Triton specializes an int argument equal to 1 as a constant
         rows_unit = layout == 0 and not flags.get("heads_inside_rows")
         unit = ("stride_om", "stride_dqm", "stride_dkn", "stride_dvn") if rows_unit else \
             ("stride_oh", "stride_dqh", "stride_dkh", "stride_dvh")

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from ._utils import LAUNCH_OPTIONS
+from ._triton_options import LAUNCH_OPTIONS
 
 
 def _nvidia_bin(tool):

@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._grid_math import cdiv, next_power_of_2, sm_count
 from ._launch import CompiledLaunch, LaunchPlan, Plans
-from ._utils import LAUNCH_OPTIONS, cdiv, contiguous, interpreting, new_output, new_scratch, next_power_of_2, sm_count
+from ._new_tensors import contiguous, new_output, new_scratch
+from ._triton_options import LAUNCH_OPTIONS, interpreting
 
 MAX_TILE = 8192   # widest row kept whole in registers
 LOOP_TILE = 4096  # columns per step for wider rows

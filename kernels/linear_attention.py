@@ -11,8 +11,10 @@ import types
 
 import torch
 
+from ._grid_math import cdiv, next_power_of_2, sm_count
 from ._launch import CompiledLaunch, LaunchPlan, Plans
-from ._utils import LAUNCH_OPTIONS, cdiv, interpreting, new_output, next_power_of_2, sm_count
+from ._new_tensors import new_output
+from ._triton_options import LAUNCH_OPTIONS, interpreting
 from .linear_attention_kernels import (APPLY_DKDV, APPLY_DQ, APPLY_OUT, BWD_DK, BWD_DQ, BWD_DV, FWD_OUT,
                                        FWD_STATS, apply_kernel, causal_scan_kernel, state_kernel)
 

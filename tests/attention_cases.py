@@ -290,10 +290,10 @@ def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_ma
 def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
     """The output of ``backend``'s attention kernels on kernel-level arguments, with its autograd
     formula (the path ``backend=`` takes)."""
-    from transformer_fast import _explicit
+    from transformer_fast import _named_backend
 
-    return _explicit.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                               seed_tensor(seed))[0]
+    return _named_backend.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                                   seed_tensor(seed))[0]
 
 
 def record_launches(monkeypatch):

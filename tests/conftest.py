@@ -4,7 +4,7 @@ Without a CUDA device the Triton kernels run under the interpreter on CPU tensor
 interpreter is chosen when the kernels are decorated, so it must be set before they import.
 TRANSFORMER_FAST_POISON=1 makes every kernel fill its outputs with NaN before writing them.
 With a GPU, TRANSFORMER_FAST_TILE=0 keeps the autotuned Triton kernels to their first candidate
-tile (see kernels/_utils.py).
+tile (see kernels/_autotune.py).
 """
 import json
 import os

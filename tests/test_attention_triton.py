@@ -102,16 +102,16 @@ def test_new_outputs_row_strides_are_the_tensors(monkeypatch, poison):
     """The launchers work out their outputs' (batch, head, row) strides without the tensors (the
     plans, strides_in_rows_of): they must be what torch gives them, in both layouts and at sizes 0
     and 1, as allocated with and without TRANSFORMER_FAST_POISON (which the other tests set)."""
-    from transformer_fast.kernels import _utils
+    from transformer_fast.kernels import _new_tensors
 
-    monkeypatch.setattr(_utils, "_POISON", poison)
-    fresh = _utils.new_output((2, 3), torch.float16, "cpu")
+    monkeypatch.setattr(_new_tensors, "_POISON", poison)
+    fresh = _new_tensors.new_output((2, 3), torch.float16, "cpu")
     assert fresh.shape == (2, 3) and fresh.dtype == torch.float16 and (fresh.isnan().all() or not poison)
     for B, H, N, W in itertools.product([0, 1, 2], [0, 1, 3], [0, 1, 5], [0, 1, 6]):
         for like in (torch.empty(B, H, N, 4), torch.empty(B, N, H, 4).transpose(1, 2)):
-            out, (_, strides) = _utils.new_output_in_rows_of(like, W), _utils.strides_in_rows_of(like)
+            out, (_, strides) = _new_tensors.new_output_in_rows_of(like, W), _new_tensors.strides_in_rows_of(like)
             assert out.shape == (B, H, N, W)
-            assert strides == _utils.row_strides(out), (like.shape, like.stride(), W, out.stride())
+            assert strides == _new_tensors.row_strides(out), (like.shape, like.stride(), W, out.stride())
             assert out.is_contiguous() or like.stride(1) < like.stride(2)
 
 
@@ -119,7 +119,7 @@ def test_sm_count_is_read_once_per_device(monkeypatch):
     """Launchers size their grids by the SM count on every call; the device is asked once."""
     import types
 
-    from transformer_fast.kernels import _utils
+    from transformer_fast.kernels import _grid_math
 
     asked = []
 
@@ -128,8 +128,8 @@ def test_sm_count_is_read_once_per_device(monkeypatch):
         return types.SimpleNamespace(multi_processor_count=100 + index)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    monkeypatch.setattr(_utils, "_SM_COUNTS", {})
-    counts = [_utils.sm_count(torch.device("cuda", i)) for i in (0, 1, 0, 1, 0)]
+    monkeypatch.setattr(_grid_math, "_SM_COUNTS", {})
+    counts = [_grid_math.sm_count(torch.device("cuda", i)) for i in (0, 1, 0, 1, 0)]
     assert counts == [100, 101, 100, 101, 100] and asked == [0, 1]
 
 
@@ -394,7 +394,7 @@ def test_autotune_keeps_choices_on_disk_where_triton_can(monkeypatch):
     where triton.autotune takes that argument (Triton >= 3.4), and pass nothing where it does not."""
     import triton
 
-    from transformer_fast.kernels import _utils
+    from transformer_fast.kernels import _autotune
 
     passed = []
 
@@ -411,7 +411,7 @@ def test_autotune_keeps_choices_on_disk_where_triton_can(monkeypatch):
 
     for fake, expected in ((autotune_with_cache, True), (autotune_without_cache, "absent")):
         monkeypatch.setattr(triton, "autotune", fake)
-        _utils.autotune([triton.Config({"BLOCK_M": 16})], ["Nq"], keep_all)
+        _autotune.autotune([triton.Config({"BLOCK_M": 16})], ["Nq"], keep_all)
         assert passed[-1] == expected
 
 

@@ -292,9 +292,9 @@ def test_dropout_in_packed_mode_forward_and_backward_agree():
     assert allowed.sum() > 400 and abs(rate - (1 - p)) < 0.08, rate
 
     def kernel(q, k, v):
-        from transformer_fast import _explicit
+        from transformer_fast import _named_backend
 
-        return _explicit.attention("triton", q, k, v, None, None, False, D ** -0.5, p, seed, extras)[0]
+        return _named_backend.attention("triton", q, k, v, None, None, False, D ** -0.5, p, seed, extras)[0]
 
     def ref(q, k, v):
         outs = []

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_fast as tf
-from transformer_fast import reference
-from transformer_fast.models import Seq2SeqTransformer
+from transformer_fast import Seq2SeqTransformer, reference
 
 from helpers import max_error
 

@@ -63,6 +63,27 @@ def _from_repo_root(code, tmp_path, pythonpath=None):
                           timeout=300)
 
 
+def test_kernels_import_nothing_from_transformer_fast(tmp_path):
+    """No import cycle between kernels/ and transformer_fast/: every module of kernels/, loaded as a
+    package of another name, imports without loading a transformer_fast module (the launchers
+    import transformer_fast._build inside the functions that use it)."""
+    kernels = os.path.join(REPO, "kernels")
+    code = ("import importlib, importlib.util, pkgutil, sys\n"
+            f"path = {kernels!r}\n"
+            "spec = importlib.util.spec_from_file_location('alone', path + '/__init__.py',\n"
+            "                                              submodule_search_locations=[path])\n"
+            "sys.modules['alone'] = package = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(package)\n"
+            "names = [info.name for info in pkgutil.iter_modules([path])]\n"
+            "for name in names:\n"
+            "    importlib.import_module('alone.' + name)\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'transformer_fast')\n"
+            "assert not loaded and 'attention' in names and 'compile_check' in names, (loaded, names)\n"
+            "print('OK')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
 def test_an_installed_top_level_kernels_package_wins_over_the_folder(tmp_path):
     """From the repository root, `import kernels` gets whatever is installed under that name (here a
     stand-in placed after the root on sys.path), never the kernels/ folder; with nothing installed it

@@ -11,7 +11,7 @@ import torch
 from torch.func import jvp
 
 import transformer_fast as tf
-from transformer_fast import _backends, _explicit, reference
+from transformer_fast import _backends, _named_backend, reference
 from transformer_fast.linear_attention import LinearAttentionState
 
 from attention_cases import make_qkv, random_key_padding
@@ -370,7 +370,7 @@ def test_call_paths_agree_bit_for_bit():
         lambda q, k, v, S, z: (lambda o, s: (o, *s))(*tf.linear_attention(
             q, k, v, is_causal=True, key_padding_mask=mask, initial_state=(S, z), output_final_state=True)),
         lambda q, k, v, S, z: torch.ops.transformer_fast.linear_attention(q, k, v, True, mask, 1e-6, S, z, True),
-        lambda q, k, v, S, z: _explicit.linear_attention("cpp", q, k, v, mask, True, 1e-6, S, z, True),
+        lambda q, k, v, S, z: _named_backend.linear_attention("cpp", q, k, v, mask, True, 1e-6, S, z, True),
     ]
     results = []
     for call in calls:

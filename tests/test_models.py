@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_fast.models import PositionalEncoding, Seq2SeqTransformer
+from transformer_fast.nn import PositionalEncoding, Seq2SeqTransformer
 
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 13
 

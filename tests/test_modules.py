@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformer_fast as tf
-import transformer_fast.multihead_attention as tf_mha
+import transformer_fast.nn.multihead_attention as tf_mha
 from transformer_fast import reference
 
 from helpers import assert_close_to_reference, max_error
@@ -570,7 +570,7 @@ def test_residual_adds_are_fused_into_the_norms(monkeypatch, norm_first):
     one into the final norm), and a causal hint reaches the kernel as is_causal, without a mask."""
     import sys
 
-    ln_module = sys.modules["transformer_fast.modules"]  # where the LayerNorm module finds layer_norm
+    ln_module = sys.modules["transformer_fast.nn.normalization"]  # where the LayerNorm module finds layer_norm
     norm_calls, attention_calls = [], []
     layer_norm = ln_module.layer_norm
 

@@ -7,7 +7,8 @@ import types
 import torch
 
 from transformer_fast._native_calls import recipe
-from transformer_fast.kernels._utils import CallRecording, contiguous, new_output, new_scratch, record_call
+from transformer_fast.kernels._call_recording import CallRecording, record_call
+from transformer_fast.kernels._new_tensors import contiguous, new_output, new_scratch
 
 PACKED = types.SimpleNamespace(seed_param=3)  # a packed launch that takes the seed
 UNSEEDED = types.SimpleNamespace(seed_param=-1)

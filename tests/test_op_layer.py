@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_fast as tf
-from transformer_fast import _backends, _build_config, _device_kernels, _explicit
+from transformer_fast import _backends, _build_config, _device_kernels, _named_backend
 
 from attention_cases import make_qkv
 from helpers import BACKENDS, kernel_device, result_strides
@@ -48,7 +48,7 @@ def _op_cases():
     cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 2, 6, 10], dtype=torch.int32)
     pq, pk, pv = torch.randn(8, 4, 8, requires_grad=True), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
     # q, k, v as most models make them: a (B, N, H * D) projection viewed as heads and transposed
-    # (the results are laid out the same way: transformer_fast/_layout.py)
+    # (the results are laid out the same way: transformer_fast/_result_layout.py)
     tq, tk, tv = (torch.randn(2, 5, h, 8).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
     t_out, t_lse = ops.attention_forward(tq.detach(), tk.detach(), tv.detach(), None, pad, False, 0.3, 0.0, None)
     # a bfloat16 query with a float32 mask (added in float32; its gradient dS float32)
@@ -145,20 +145,20 @@ def test_binding_ops_and_named_backend_agree_bit_for_bit(family):
     if family == "attention":
         calls = [lambda q, k, v, m: tf.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: ops.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
-                 lambda q, k, v, m: _explicit.attention(
+                 lambda q, k, v, m: _named_backend.attention(
                      "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, None)[0]]
         inputs = (q, k, v, mask)
     elif family == "layer_norm":
         x, r, w = torch.randn(3, 4, 40), torch.randn(3, 4, 40), torch.randn(40)
         calls = [lambda x, r, w: tf.layer_norm(x, 40, w, residual=r),
                  lambda x, r, w: ops.layer_norm(x, [40], w, None, 1e-5, r),
-                 lambda x, r, w: _explicit.layer_norm("cpp", x.view(12, 40), r.view(12, 40), w, None,
-                                                                    1e-5, False)]
+                 lambda x, r, w: _named_backend.layer_norm("cpp", x.view(12, 40), r.view(12, 40), w, None,
+                                                                        1e-5, False)]
         inputs = (x, r, w)
     else:
         calls = [lambda q, k, v: tf.linear_attention(q, k, v, is_causal=True),
                  lambda q, k, v: ops.linear_attention(q, k, v, True),
-                 lambda q, k, v: _explicit.linear_attention("cpp", q, k, v, None, True, 1e-6, None, None, False)]
+                 lambda q, k, v: _named_backend.linear_attention("cpp", q, k, v, None, True, 1e-6, None, None, False)]
         inputs = (q, k[:, :1].expand(2, 4, 5, 8), v[:, :1].expand(2, 4, 5, 8))
     results = [_run(call, inputs) for call in calls]
     for other in results[1:]:
@@ -202,12 +202,12 @@ def test_fake_tensors_run_the_public_functions():
 
 
 def test_direct_call_gate(monkeypatch):
-    """_calls.direct, the eager fast path's gate (csrc/bindings.cpp), refuses every case in which
+    """_fast_path.direct, the eager fast path's gate (csrc/bindings.cpp), refuses every case in which
     something must see the op itself or the kernels cannot take the call."""
     from torch.autograd import forward_ad
     from torch.overrides import TorchFunctionMode
 
-    from transformer_fast._calls import direct
+    from transformer_fast._fast_path import direct
 
     x, m = torch.randn(2, 3), torch.ones(2, dtype=torch.bool)
 
@@ -308,8 +308,8 @@ def test_backend_environment_variable(monkeypatch):
     """TRANSFORMER_FAST_BACKEND overrides "auto" per call: the call leaves the binding."""
     x = torch.randn(3, 8)
     calls = []
-    original = _explicit.layer_norm
-    monkeypatch.setattr(_explicit, "layer_norm", lambda *a: calls.append(a[0]) or original(*a))
+    original = _named_backend.layer_norm
+    monkeypatch.setattr(_named_backend, "layer_norm", lambda *a: calls.append(a[0]) or original(*a))
     tf.layer_norm(x, 8)
     assert calls == []
     monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")

@@ -15,10 +15,9 @@ from ._backends import available_backends  # noqa: E402
 from .attention import AuxRequest, scaled_dot_product_attention, varlen_attn  # noqa: E402
 from .layer_norm import layer_norm, rms_norm  # noqa: E402
 from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
-from .modules import (  # noqa: E402
-    LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
-    TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
-from .convert import convert  # noqa: E402
+from .nn import (  # noqa: E402
+    LayerNorm, MultiheadAttention, RMSNorm, Seq2SeqTransformer, Transformer, TransformerDecoder,
+    TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, convert)
 
 _composite.register()
 _device_kernels.register()
@@ -44,5 +43,6 @@ __all__ = [
     "TransformerEncoder",
     "TransformerDecoder",
     "Transformer",
+    "Seq2SeqTransformer",
     "convert",
 ]

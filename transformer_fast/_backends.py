@@ -11,8 +11,8 @@ Normally torch's dispatcher chooses, by device: the op's CPU kernel is C++; its 
 Triton where Triton loads, else the C++ CUDA kernel (attention) or plain torch; any other device
 runs plain torch (``register_device_kernels``). ``backend=`` and ``TRANSFORMER_FAST_BACKEND``
 override that for tests and debugging: ``explicit_backend`` says when a call must leave the
-dispatcher for another backend (``_explicit.py``). float64 always takes the plain-torch backend:
-the compiled kernels are fp32/bf16/fp16.
+dispatcher for another backend (``_named_backend.py``). float64 always takes the plain-torch
+backend: the compiled kernels are fp32/bf16/fp16.
 """
 from __future__ import annotations
 

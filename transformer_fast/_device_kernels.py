@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _backends, _build, _native_calls
-from ._layout import empty_in_rows_of
+from ._result_layout import empty_in_rows_of
 
 _INF = float("inf")
 

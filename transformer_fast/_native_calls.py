@@ -9,7 +9,7 @@ launcher, transformer_fast/_device_kernels.py) and, when asked to record, descri
 did as a recipe.
 
 A recipe is sound only for launchers that make every tensor they launch with or return through
-kernels/_utils's helpers (new_output, new_scratch, contiguous) and change them only by launches:
+kernels/_new_tensors.py's helpers (new_output, new_scratch, contiguous) and change them only by launches:
 the attention and norm launchers do. Anything else a call does (a launch that was not packed, a
 tensor from elsewhere, a result that is not one of its new tensors or empty) leaves that signature
 without a recipe. Linear attention computes part of its results with torch ops, and keeps the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .kernels import _launch, _utils
+from .kernels import _call_recording, _launch, _new_tensors
 
 OPS = ("attention_forward", "attention_backward", "layer_norm_forward", "layer_norm_backward")
 _kernels = {}
@@ -32,7 +32,7 @@ def call(name, args, record, seed):
     kernel = _kernels[name.split("::")[-1]]
     if not record:
         return tuple(kernel(*args)), None
-    with _utils.record_call() as rec:
+    with _call_recording.record_call() as rec:
         results = tuple(kernel(*args))
     return results, recipe(rec, args, results, seed)
 
@@ -58,7 +58,7 @@ def recipe(rec, args, results, seed):
     for kind, t, source in rec.news:
         if not t.is_contiguous() or t.numel() == 0 or t.data_ptr() in new_by_address or t.data_ptr() in by_address:
             return None
-        if kind == _utils.CallRecording.COPY:
+        if kind == _call_recording.CallRecording.COPY:
             index = by_address.get(source.data_ptr())
             if index is None or args[index].dtype != source.dtype:  # read from the argument's start, as it is
                 return None
@@ -99,8 +99,8 @@ def setup(kernels, namespace="transformer_fast", dispatch_key="CUDA"):
     _kernels.update(kernels)
     if clear not in _launch._forget_hooks:
         _launch._forget_hooks.append(clear)
-    _build.extension().native_calls_setup([f"{namespace}::{name}" for name in kernels], call, _utils._POISON,
-                                          dispatch_key)
+    _build.extension().native_calls_setup([f"{namespace}::{name}" for name in kernels], call,
+                                          _new_tensors._POISON, dispatch_key)
 
 
 def clear():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._layout import in_rows_of
+from ._result_layout import in_rows_of
 
 
 def _compute_dtype(t):

@@ -1,7 +1,7 @@
-"""Input checks made in Python (linear_attention_step's tensors, the public functions' flags); the
-ops check their arguments in C++ (csrc/op_utils.h) with the same messages. Each raises TypeError
-(wrong type or dtype) or ValueError (wrong shape or value) naming the argument, what was expected
-and what was given."""
+"""Input checks made in Python (that the public functions' tensor arguments are strided tensors,
+their flags, linear_attention_step's tensors); the ops check their arguments in C++
+(csrc/op_utils.h) with the same messages. Each raises TypeError (wrong type or dtype) or
+ValueError (wrong shape or value) naming the argument, what was expected and what was given."""
 from __future__ import annotations
 
 import math
@@ -17,6 +17,30 @@ def check_bools(**flags):
     for name, value in flags.items():
         if type(value) is not bool:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _refuse_nested(name, t):
+    if t.is_nested:  # the ops have no nested-tensor kernels: say so instead of the dispatcher's NotImplementedError
+        raise TypeError(f"{name} must be a strided tensor, got a nested tensor (the kernels take padded batches "
+                        f"with a key_padding_mask, or packed ones through varlen_attn; the LayerNorm/RMSNorm "
+                        f"modules run torch's own norm on nested tensors)")
+
+
+def check_tensors(**tensors):
+    """TypeError naming the first argument that is not a (strided) tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _refuse_nested(name, t)
+
+
+def check_optional_tensors(**tensors):
+    """TypeError naming the first argument that is neither a (strided) tensor nor None."""
+    for name, t in tensors.items():
+        if t is not None:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+            _refuse_nested(name, t)
 
 
 def check_tensor(name, t, *, ndim=None, floating=True):

@@ -17,8 +17,8 @@ The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
 (B, H, Nq, Dv) in q's dtype, laid out in q's row order as torch's attention lays out its output
-(``_layout.py``: (B, Nq, H, Dv) memory where q keeps a row's heads together, else contiguous; dq,
-dk, dv likewise follow q, k, v); lse (B, H, Nq) float32 (float64 for float64 inputs, as the
+(``_result_layout.py``: (B, Nq, H, Dv) memory where q keeps a row's heads together, else
+contiguous; dq, dk, dv likewise follow q, k, v); lse (B, H, Nq) float32 (float64 for float64 inputs, as the
 ALiBi slopes and sinks then are; only the plain-torch backend takes float64). Packed (cu_seq_q given): q
 (Tq, H, D), k (Tk, Hk, D), v (Tk, Hk, Dv); cu_seq_q and cu_seq_k (B + 1,) int32, nondecreasing from
 0: sequence b is query rows cu_seq_q[b]:cu_seq_q[b + 1] and key rows cu_seq_k[b]:cu_seq_k[b + 1];
@@ -80,11 +80,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import _backends, _build, _explicit
-from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
-from ._layout import empty_in_rows_of
+from . import _backends, _build, _named_backend
+from ._fast_path import direct, dynamo_compiling
 from ._plain_torch import dmask_dtype
-from ._validation import check_bools, check_float32_range, check_int64, real_scalar
+from ._result_layout import empty_in_rows_of
+from ._validation import (check_bools, check_float32_range, check_int64, check_optional_tensors, check_tensors,
+                          real_scalar)
 
 _C, _ = _build.load()
 
@@ -208,7 +209,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     check_tensors(query=query, key=key, value=value)
     check_optional_tensors(attn_mask=attn_mask, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
                            sinks=sinks)
-    transformed = _explicit.differentiable_forms_needed()
+    transformed = _named_backend.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         return torch.ops.transformer_fast.scaled_dot_product_attention(
@@ -218,8 +219,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras = _C.attention_args(
         query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa, key_padding_mask,
         window_size, softcap, alibi_slopes, sinks)
-    out = _explicit.attention(explicit, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                              float(dropout_p), _dropout_seed(dropout_p), extras)[0]
+    out = _named_backend.attention(explicit, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                  float(dropout_p), _dropout_seed(dropout_p), extras)[0]
     return out[0] if unbatched else out
 
 
@@ -297,7 +298,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 def _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, window_size, enable_gqa,
                  seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p, backend):
-    transformed = _explicit.differentiable_forms_needed()
+    transformed = _named_backend.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
     if explicit is None and not transformed:
         args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, list(window_size),
@@ -309,5 +310,5 @@ def _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse
     q, k, v, _, _, scale, _, extras = _C.varlen_args(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size),
         enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
-    return _explicit.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
-                               _dropout_seed(dropout_p), extras)
+    return _named_backend.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
+                                   _dropout_seed(dropout_p), extras)

@@ -1,5 +1,5 @@
 """LayerNorm and RMSNorm with the residual add fused in: the public functions and the fake kernels
-of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``modules.py``).
+of their ops (the ``LayerNorm``/``RMSNorm`` modules are in ``nn/normalization.py``).
 
 The kernel ops normalise the last dim:
 
@@ -22,10 +22,10 @@ import numbers
 
 import torch
 
-from . import _backends, _build, _explicit
+from . import _backends, _build, _named_backend
 from ._backends import KERNEL_DTYPES
-from ._calls import check_optional_tensors, check_tensors, direct, dynamo_compiling
-from ._validation import real_scalar
+from ._fast_path import direct, dynamo_compiling
+from ._validation import check_optional_tensors, check_tensors, real_scalar
 
 _C, _ = _build.load()
 _promote = torch.promote_types
@@ -81,7 +81,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     check_optional_tensors(weight=weight, bias=bias, residual=residual)
     # the residual add promotes (x + r): the kernels run in the promoted dtype
     dtype = x.dtype if not isinstance(residual, torch.Tensor) else torch.promote_types(x.dtype, residual.dtype)
-    transformed = _explicit.differentiable_forms_needed()
+    transformed = _named_backend.differentiable_forms_needed()
     explicit = None if transformed else _backends.explicit_backend(backend, x.device, dtype, "layer_norm")
     if explicit is None and not transformed:
         y, h = torch.ops.transformer_fast.layer_norm(x, list(normalized_shape), weight, bias, eps, residual, is_rms)
@@ -91,7 +91,7 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     if rows_empty:  # rows of no elements: empty outputs, as torch.nn.functional.layer_norm gives
         h = x_last if residual_last is None else x_last + residual_last
         return h.clone() if residual is None else (h.clone(), h)
-    y, h = _explicit.layer_norm(explicit, x_last, residual_last, weight, bias, eps, is_rms)
+    y, h = _named_backend.layer_norm(explicit, x_last, residual_last, weight, bias, eps, is_rms)
     y = y.view(x.shape)
     return y if residual is None else (y, h.view(x.shape))
 

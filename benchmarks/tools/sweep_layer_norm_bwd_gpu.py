@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMER_FAST_DIRECT_LAUNCH", "0")  # no extension nee
 import torch  # noqa: E402
 
 import kernels.layer_norm as ln  # noqa: E402
-from kernels._utils import sm_count  # noqa: E402
+from kernels._grid_math import sm_count  # noqa: E402
 
 SHAPES = [(4096, 1024), (8192, 1024), (16384, 1024), (65536, 1024), (262144, 1024), (16384, 4096), (8192, 8192)]
 STEP_ELEMENTS = [2048, 4096, 8192]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _backends, _explicit
+from .. import _backends, _named_backend
 from .plan import _chunk_seed, _count, _kernels, _offset_kw, _slopes, _stats_dtype
 from .sequence import chunk_count, global_order
 
@@ -97,7 +97,7 @@ class AllGatherAttention(torch.autograd.Function):
             dkv[:, :, k0:k1, :D] += dk_c
             dkv[:, :, k0:k1, D:] += dv_c
             if want_dsinks:
-                part = _explicit.sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
+                part = _named_backend.sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
                 dsinks = part if dsinks is None else dsinks + part
         mine = _scatter_sum(plan, dkv, ("all_gather", "backward", "dK/dV"))
         return (dq, mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype),
@@ -170,7 +170,7 @@ def ulysses(q, k, v, group, layout, is_causal, scale, window, softcap, alibi_slo
     if sinks is not None:
         extras["sinks"] = sinks[heads] if sinks.dtype == stats else sinks.to(stats)[heads]
     backend = _backends.select_backend(q.device, q.dtype, "auto", "attention")
-    out, lse = _explicit.attention(backend, qh, kh, vh, None, None, is_causal, scale, dropout_p,
-                                   _chunk_seed(seed, rank), extras)
+    out, lse = _named_backend.attention(backend, qh, kh, vh, None, None, is_causal, scale, dropout_p,
+                                        _chunk_seed(seed, rank), extras)
     lse_seq = _heads_to_seq(lse.detach().unsqueeze(-1), group, layout).squeeze(-1) if return_lse else None
     return _HeadsToSeq.apply(out, group, layout), lse_seq

@@ -46,7 +46,7 @@ import torch
 
 from .._backends import KERNEL_DTYPES
 from ..layer_norm import layer_norm, rms_norm
-from .._module_support import NotScriptable
+from ..nn._drop_in import NotScriptable
 
 _DTYPES = (*KERNEL_DTYPES, torch.float64)  # float64 through the plain-torch backend
 _FULL_PRECISION = (torch.float32, torch.float64)

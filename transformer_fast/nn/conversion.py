@@ -8,12 +8,14 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .integrations.huggingface_norms import fused_class, is_convertible_norm
-from ._module_support import adopt, check_attention
-from .modules import (LayerNorm, MultiheadAttention, RMSNorm, Transformer, TransformerDecoder,
-                      TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
+from ..integrations.huggingface_norms import fused_class, is_convertible_norm
+from ._drop_in import adopt, check_attention
+from .multihead_attention import MultiheadAttention
+from .normalization import LayerNorm, RMSNorm
+from .transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+                          TransformerEncoderLayer)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("transformer_fast.convert")  # named for the public function, as its docstring says
 
 # torch.nn class -> ours. Only these exact classes are converted: a user subclass may override
 # forward, so it is left alone (its children are still visited).

@@ -1,5 +1,7 @@
 """What the drop-in modules share: turning a torch.nn module into ours in place, the attention
-kinds they take, and refusing torch.jit.script clearly."""
+kinds they take, whether calling a module runs its forward alone, and refusing torch.jit.script
+clearly."""
+from torch.nn.modules import module as _torch_module
 
 ATTENTION_KINDS = ("softmax", "linear")
 
@@ -26,3 +28,13 @@ def adopt(module, cls, **attributes):
     for name, value in attributes.items():
         setattr(module, name, value)
     return module
+
+
+def calls_forward_alone(module, forward):
+    """Whether calling ``module`` would run ``forward`` and nothing else (no override of it, no
+    module hooks), so that calling a fused variant of it in its place cannot be observed."""
+    m = _torch_module
+    return (type(module).forward is forward
+            and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                     or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                     or m._global_backward_hooks or m._global_backward_pre_hooks))

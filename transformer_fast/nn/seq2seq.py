@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import scaled_dot_product_attention
-from .linear_attention import LinearAttentionState, linear_attention, linear_attention_step
-from .modules import (LayerNorm, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
-                      TransformerEncoderLayer)
+from ..attention import scaled_dot_product_attention
+from ..linear_attention import LinearAttentionState, linear_attention, linear_attention_step
+from .normalization import LayerNorm
+from .transformer import TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = ["PositionalEncoding", "Seq2SeqTransformer", "DecoderCache", "LayerCache"]
 

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention as _attention_module
-from ._module_support import NotScriptable, adopt, check_attention
-from ._validation import MAX_HEAD_DIM
-from .attention import scaled_dot_product_attention
-from .linear_attention import linear_attention
+from .. import attention as _attention_module
+from .._validation import MAX_HEAD_DIM
+from ..attention import scaled_dot_product_attention
+from ..linear_attention import linear_attention
+from ._drop_in import NotScriptable, adopt, check_attention
 
 __all__ = ["MultiheadAttention"]
 
@@ -297,7 +297,9 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         return linear_attention(q, k, v, is_causal=causal, key_padding_mask=key_padding_mask)
 
 
-def _adopt_attention(module, attention):
+def adopt_attention(module, attention):
+    """Our MultiheadAttention, computing ``attention``, in place of a torch.nn one (ours take the
+    kind; anything else is left alone)."""
     if type(module) is nn.MultiheadAttention:
         MultiheadAttention.from_torch(module, attention)
     elif isinstance(module, MultiheadAttention):

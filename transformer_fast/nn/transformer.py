@@ -1,10 +1,10 @@
-"""Drop-in replacements for ``torch.nn.LayerNorm``/``RMSNorm`` and the ``torch.nn`` Transformer
-classes, running transformer_fast's fused kernels (``MultiheadAttention`` is in
-``multihead_attention.py``).
+"""Drop-in replacements for the ``torch.nn`` Transformer classes (the encoder and decoder layers,
+their stacks and ``Transformer``), built on ``MultiheadAttention`` (``multihead_attention.py``)
+and the fused ``LayerNorm`` (``normalization.py``).
 
-Each class subclasses its ``torch.nn`` counterpart: same constructor (plus ``attention=`` for the
-Transformer classes, passed to their attentions), same parameter names and state-dict keys (state
-dicts load both ways with ``strict=True``), same forward signature and results. The layers use
+Each class subclasses its ``torch.nn`` counterpart: same constructor (plus ``attention=``, passed
+to their attentions), same parameter names and state-dict keys (state dicts load both ways with
+``strict=True``), same forward signature and results. The layers use
 ``transformer_fast.LayerNorm`` with the residual add fused into it: post-norm computes
 ``norm(x + sublayer(x))`` in one kernel, and pre-norm stacks (``norm_first=True``) carry
 ``(sublayer_output, residual)`` pairs so that each norm adds the residual and returns both the
@@ -20,75 +20,19 @@ torch's canonical float form).
 Differences from torch: ``TransformerEncoder`` never converts to nested tensors
 (``enable_nested_tensor`` is accepted and ignored), so in eval mode under ``torch.no_grad`` the
 outputs at padded positions are computed like every other position (torch's nested fast path
-returns 0 there). Nested-tensor inputs to the norms run torch's implementation.
+returns 0 there).
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _torch_module
 
-from ._module_support import NotScriptable, adopt, check_attention
-from .layer_norm import layer_norm, rms_norm
-from .multihead_attention import MultiheadAttention, _adopt_attention
+from ._drop_in import NotScriptable, adopt, calls_forward_alone, check_attention
+from .multihead_attention import adopt_attention
+from .normalization import adopt_norm, norm_add
 
-__all__ = ["LayerNorm", "RMSNorm", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
-           "TransformerEncoder", "TransformerDecoder", "Transformer"]
-
-
-def _nested_norm(module, cls, input, residual):
-    """torch's own norm on nested tensors (the kernels take strided ones), with the residual added."""
-    h = input if residual is None else input + residual
-    y = cls.forward(module, h)
-    return y if residual is None else (y, h)
-
-
-class LayerNorm(NotScriptable, nn.LayerNorm):
-    """Drop-in ``torch.nn.LayerNorm`` (same constructor, parameters and state dict) running the fused
-    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
-
-    def forward(self, input, residual=None):
-        if getattr(input, "is_nested", False):
-            return _nested_norm(self, nn.LayerNorm, input, residual)
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual)
-
-
-class RMSNorm(NotScriptable, nn.RMSNorm):
-    """Drop-in ``torch.nn.RMSNorm`` (same constructor, parameters and state dict) running the fused
-    kernel; ``forward(x, residual=None)`` returns ``(y, x + residual)`` when given a residual."""
-
-    def forward(self, input, residual=None):
-        if getattr(input, "is_nested", False):
-            return _nested_norm(self, nn.RMSNorm, input, residual)
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps, residual=residual)
-
-
-def _adopt_norm(norm):
-    """Our fused LayerNorm/RMSNorm in place of a torch.nn one (anything else is left alone)."""
-    if type(norm) is nn.LayerNorm:
-        return adopt(norm, LayerNorm)
-    if type(norm) is nn.RMSNorm:
-        return adopt(norm, RMSNorm)
-    return norm
-
-
-def _calls_forward_alone(module, forward):
-    """Whether calling ``module`` would run ``forward`` and nothing else (no override of it, no
-    module hooks), so that calling a fused variant of it in its place cannot be observed."""
-    m = _torch_module
-    return (type(module).forward is forward
-            and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                     or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-                     or m._global_backward_hooks or m._global_backward_pre_hooks))
-
-
-def _norm_add(norm, x, residual):
-    """(norm(x + residual), x + residual), the add fused into the kernel for our norms. A norm with
-    hooks or an overridden forward is called as torch calls it: on the sum, returning a tensor."""
-    if _calls_forward_alone(norm, LayerNorm.forward) or _calls_forward_alone(norm, RMSNorm.forward):
-        return norm(x, residual=residual)
-    h = x + residual
-    return norm(h), h
+__all__ = ["TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder", "TransformerDecoder",
+           "Transformer"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,8 +51,8 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         self._adopt_children(attention)
 
     def _adopt_children(self, attention):
-        _adopt_attention(self.self_attn, attention)
-        self.norm1, self.norm2 = _adopt_norm(self.norm1), _adopt_norm(self.norm2)
+        adopt_attention(self.self_attn, attention)
+        self.norm1, self.norm2 = adopt_norm(self.norm1), adopt_norm(self.norm2)
 
     @classmethod
     def from_torch(cls, module, attention="softmax"):
@@ -120,8 +64,8 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         if self.norm_first:
             delta, residual = self._forward_pre_norm(src, None, src_mask, src_key_padding_mask, is_causal)
             return delta + residual
-        x, _ = _norm_add(self.norm1, self._sa_block(src, src_mask, src_key_padding_mask, is_causal=is_causal), src)
-        x, _ = _norm_add(self.norm2, self._ff_block(x), x)
+        x, _ = norm_add(self.norm1, self._sa_block(src, src_mask, src_key_padding_mask, is_causal=is_causal), src)
+        x, _ = norm_add(self.norm2, self._ff_block(x), x)
         return x
 
     def _forward_pre_norm(self, x, residual, src_mask, src_key_padding_mask, is_causal):
@@ -131,9 +75,9 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         if residual is None:
             y, residual = self.norm1(x), x
         else:
-            y, residual = _norm_add(self.norm1, x, residual)
-        y, residual = _norm_add(self.norm2, self._sa_block(y, src_mask, src_key_padding_mask, is_causal=is_causal),
-                                residual)
+            y, residual = norm_add(self.norm1, x, residual)
+        y, residual = norm_add(self.norm2, self._sa_block(y, src_mask, src_key_padding_mask, is_causal=is_causal),
+                               residual)
         return self._ff_block(y), residual
 
 
@@ -150,10 +94,10 @@ class TransformerDecoderLayer(NotScriptable, nn.TransformerDecoderLayer):
         self._adopt_children(attention)
 
     def _adopt_children(self, attention):
-        _adopt_attention(self.self_attn, attention)
-        _adopt_attention(self.multihead_attn, attention)
-        self.norm1, self.norm2, self.norm3 = (_adopt_norm(self.norm1), _adopt_norm(self.norm2),
-                                              _adopt_norm(self.norm3))
+        adopt_attention(self.self_attn, attention)
+        adopt_attention(self.multihead_attn, attention)
+        self.norm1, self.norm2, self.norm3 = (adopt_norm(self.norm1), adopt_norm(self.norm2),
+                                              adopt_norm(self.norm3))
 
     @classmethod
     def from_torch(cls, module, attention="softmax"):
@@ -168,10 +112,10 @@ class TransformerDecoderLayer(NotScriptable, nn.TransformerDecoderLayer):
                                                      memory_key_padding_mask, tgt_is_causal, memory_is_causal)
             return delta + residual
         x = tgt
-        x, _ = _norm_add(self.norm1, self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal), x)
-        x, _ = _norm_add(self.norm2, self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
-                                                     memory_is_causal), x)
-        x, _ = _norm_add(self.norm3, self._ff_block(x), x)
+        x, _ = norm_add(self.norm1, self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal), x)
+        x, _ = norm_add(self.norm2, self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
+                                                    memory_is_causal), x)
+        x, _ = norm_add(self.norm3, self._ff_block(x), x)
         return x
 
     def _forward_pre_norm(self, x, residual, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
@@ -180,11 +124,11 @@ class TransformerDecoderLayer(NotScriptable, nn.TransformerDecoderLayer):
         if residual is None:
             y, residual = self.norm1(x), x
         else:
-            y, residual = _norm_add(self.norm1, x, residual)
-        y, residual = _norm_add(self.norm2, self._sa_block(y, tgt_mask, tgt_key_padding_mask, tgt_is_causal),
-                                residual)
-        y, residual = _norm_add(self.norm3, self._mha_block(y, memory, memory_mask, memory_key_padding_mask,
-                                                            memory_is_causal), residual)
+            y, residual = norm_add(self.norm1, x, residual)
+        y, residual = norm_add(self.norm2, self._sa_block(y, tgt_mask, tgt_key_padding_mask, tgt_is_causal),
+                               residual)
+        y, residual = norm_add(self.norm3, self._mha_block(y, memory, memory_mask, memory_key_padding_mask,
+                                                           memory_is_causal), residual)
         return self._ff_block(y), residual
 
 
@@ -207,13 +151,13 @@ def _finish_stack(norm, delta, residual):
         return delta if norm is None else norm(delta)
     if norm is None:
         return delta + residual
-    return _norm_add(norm, delta, residual)[0]
+    return norm_add(norm, delta, residual)[0]
 
 
 def _chains_pre_norm(layer, cls):
     """Whether a stack may call ``layer._forward_pre_norm`` in place of ``layer(...)``: a pre-norm
     ``cls`` whose call would run ``cls.forward`` alone."""
-    return isinstance(layer, cls) and layer.norm_first and _calls_forward_alone(layer, cls.forward)
+    return isinstance(layer, cls) and layer.norm_first and calls_forward_alone(layer, cls.forward)
 
 
 def _canonical_masks(src, mask, src_key_padding_mask):
@@ -237,7 +181,7 @@ class _LayerStack:
                 self._our_layer.from_torch(layer, attention or "softmax")
             elif isinstance(layer, self._our_layer) and attention is not None:
                 layer._adopt_children(attention)
-        self.norm = _adopt_norm(self.norm) if self.norm is not None else None
+        self.norm = adopt_norm(self.norm) if self.norm is not None else None
 
     @classmethod
     def from_torch(cls, module, attention="softmax"):
@@ -271,7 +215,7 @@ class TransformerEncoder(_LayerStack, NotScriptable, nn.TransformerEncoder):
                 delta, residual = layer._forward_pre_norm(delta, residual, mask, src_key_padding_mask, is_causal)
                 continue
             x = delta if residual is None else delta + residual
-            if _calls_forward_alone(layer, TransformerEncoderLayer.forward):  # ours: takes bool masks as they are
+            if calls_forward_alone(layer, TransformerEncoderLayer.forward):  # ours: takes bool masks as they are
                 layer_masks = mask, src_key_padding_mask
             else:
                 layer_masks = canonical = canonical or _canonical_masks(src, mask, src_key_padding_mask)
