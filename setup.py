@@ -40,12 +40,13 @@ def extension_modules():
     if cuda:
         flags["nvcc"] = build_config["extra_cuda_cflags"]()
     # the headers too: setuptools rebuilds only where a source or one of these is newer than the binary
-    headers = sorted(os.path.join("csrc", name) for name in os.listdir(os.path.join(ROOT, "csrc"))
-                     if name.endswith((".h", ".cuh")))
+    headers = [os.path.join("csrc", name) for name in build_config["source_files"](os.path.join(ROOT, "csrc"))
+               if name.endswith((".h", ".cuh"))]
     ext = (cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension)(
         "transformer_fast._C",
         sources,
         depends=headers,
+        include_dirs=build_config["include_paths"](os.path.join(ROOT, "csrc")),
         extra_compile_args=flags,
         extra_link_args=build_config["extra_ldflags"](),
     )
@@ -97,7 +98,7 @@ setup(
     python_requires=">=3.9",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"transformer_fast.csrc": ["*.cpp", "*.h", "*.cu", "*.cuh"]},
+    package_data={"transformer_fast.csrc": ["*.cpp", "*/*.cpp", "*/*.h", "*/*.cu", "*/*.cuh"]},
     # No upper bound: the extension is compiled against whichever torch is installed, and a cap
     # below it would make pip replace the user's torch (a multi-GB CUDA build). Install torch
     # first so that pip never picks one itself.

@@ -1,81 +1,31 @@
-// transformer_fast._C: loading it registers the ops (csrc/schemas.cpp and the TORCH_LIBRARY_IMPL
-// blocks). The Python bindings below serve what the dispatcher does not:
+// transformer_fast._C: loading it registers the ops (ops/schemas.cpp and the TORCH_LIBRARY_IMPL
+// blocks of ops/, cpu/ and cuda/). The Python bindings below serve what the dispatcher does not:
 //   * the public ops' C++ functions, called directly by the Python functions in eager mode (the
 //     same code the dispatcher runs for torch.ops.transformer_fast.<op>, without the boxed call);
 //   * their argument checks alone (*_args), for the paths that run a backend other than the
 //     dispatcher's (backend=..., the torch.func transforms);
 //   * the kernel-level functions, for those paths;
-//   * the signatures of an op kernel's call and of a Triton launch's arguments (launch_signature.cpp),
-//     and launches of compiled Triton kernels from C++ (triton_launch.cpp), for kernels/_launch.py;
-//   * the native calls' set-up (native_calls.cpp), for transformer_fast/_native_calls.py;
+//   * the signatures of an op kernel's call and of a Triton launch's arguments (launch/launch_signature.cpp),
+//     and launches of compiled Triton kernels from C++ (launch/triton_launch.cpp), for kernels/_launch.py;
+//   * the native calls' set-up (launch/native_calls.cpp), for transformer_fast/_native_calls.py;
 //   * `direct`, the check that lets a Python function take the first path.
-#include "launch_signature.h"
-#include "native_calls.h"
-#include "op_utils.h"
-#include "ops.h"
-#include "triton_launch.h"
+#include "launch/launch_signature.h"
+#include "launch/native_calls.h"
+#include "launch/triton_launch.h"
+#include "ops/attention_ops.h"
+#include "ops/layer_norm_ops.h"
+#include "ops/linear_attention_ops.h"
+#include "ops/op_utils.h"
 
-#include <ATen/EmptyTensor.h>
-#include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
-#if defined(TRANSFORMER_FAST_WITH_CUDA)
-#include "attention.h"
-#endif
 
 #include <cstdlib>
-#include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
-
-namespace transformer_fast {
-
-at::Tensor new_tensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  if (options.device().is_cpu()) return at::detail::empty_cpu(sizes, options);
-  return at::empty(sizes, options);
-}
-
-at::Tensor new_zeros(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = new_tensor(sizes, options);
-  if (t.is_cpu() && t.numel() <= at::internal::GRAIN_SIZE) {
-    std::memset(t.data_ptr(), 0, t.nbytes());
-    return t;
-  }
-  return t.zero_();
-}
-
-bool poison_requested() {
-  const char* poison = std::getenv("TRANSFORMER_FAST_POISON");
-  return poison != nullptr && std::strcmp(poison, "1") == 0;
-}
-
-bool poison_scratch() {
-  static const bool poison = poison_requested();
-  return poison;
-}
-
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  if (poison_requested()) {
-    if (at::isFloatingType(c10::typeMetaToScalarType(options.dtype()))) {
-      return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
-    }
-    return at::full(sizes, -1, options);
-  }
-  return new_tensor(sizes, options);
-}
-
-at::Tensor new_output_in_rows_of(const at::Tensor& like, int64_t width, const at::TensorOptions& options) {
-  std::vector<int64_t> sizes = like.sizes().vec();
-  sizes.back() = width;
-  if (like.dim() != 4 || like.stride(1) >= like.stride(2)) return new_output(sizes, options);
-  return new_output({sizes[0], sizes[2], sizes[1], width}, options).transpose(1, 2);
-}
-
-}  // namespace transformer_fast
 
 namespace {
 
@@ -86,7 +36,7 @@ at::OptionalIntArrayRef optional_array(const std::optional<std::vector<int64_t>>
 }
 
 // The kernel-level attention functions (attention_forward<suffix>, attention_backward<suffix>),
-// with the schemas' defaults (schemas.cpp).
+// with the schemas' defaults (ops/schemas.cpp).
 template <typename Forward, typename Backward>
 void def_attention_kernels(py::module& m, const std::string& suffix, Forward forward, Backward backward) {
   m.def(("attention_forward" + suffix).c_str(), forward, py::arg("q"), py::arg("k"), py::arg("v"),
@@ -256,7 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
-  m.def("call_signature", &tf::call_signature, py::arg("args"));
+  m.def("launch_plan_signature", &tf::launch_plan_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   tf::bind_packed_launch(m);
   tf::bind_native_calls(m);
@@ -268,7 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_attention_kernels(m, "_cuda", &tf::attention_forward_cuda, &tf::attention_backward_cuda);
   m.def("register_cuda_kernels", &tf::register_cuda_kernels);
 #endif
-  // Whether the CPU kernels' bf16/fp16 tile products use the CPU's own (cpu_blas.h), for tests.
+  // Whether the CPU kernels' bf16/fp16 tile products use the CPU's own (cpu/cpu_blas.h), for tests.
   m.def("native_lowp_products", &tf::native_lowp_products, py::arg("dtype"));
   // The kernel families that also run on CUDA tensors in this build.
   m.def("cuda_families", [] {

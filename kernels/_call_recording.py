@@ -11,7 +11,7 @@ class CallRecording:
     of a native op make every tensor they launch with or return through the helpers of
     _new_tensors.py and change them only by launches: a recording cannot see anything else."""
 
-    SCRATCH, ZEROS, OUTPUT, COPY = range(4)  # csrc/native_calls.cpp's NewKind
+    SCRATCH, ZEROS, OUTPUT, COPY = range(4)  # csrc/launch/native_calls.cpp's NewKind
 
     def __init__(self):
         self.news, self.launches, self.complete = [], [], True

@@ -12,7 +12,7 @@ directly on later calls: the first call for a pattern goes through `JITFunction.
 compiles or finds the kernel, and launches it), later ones call its launcher with the arguments
 Triton passes. The pattern's key holds everything Triton's specialisation reads (each argument's
 type; each tensor's dtype and address modulo 16; each int modulo 16, whether it is 1, and whether
-it fits 32 bits: worked out in C++, `csrc/launch_signature.cpp`; the keyword arguments, which carry
+it fits 32 bits: worked out in C++, `csrc/launch/launch_signature.cpp`; the keyword arguments, which carry
 the constexprs and the compile options; the current device), and more: a key never maps to a
 kernel compiled for other arguments, and a finer key only sends a call through Triton once more.
 `tests/test_direct_launch.py` checks this against Triton's own `run`, on real compiled kernels,
@@ -27,8 +27,8 @@ instrumentation) and that the globals a kernel reads have not changed since it c
 drops the entries after changing them.
 
 Launch plans go one step further, for the launchers' hot paths: a launcher works out, once per
-call signature (`call_signature`: its arguments' dtypes, devices, sizes, strides, addresses mod 16
-and values, csrc/launch_signature.cpp), everything a launch takes but the call's tensors (and a
+call signature (`launch_plan_signature`: its arguments' dtypes, devices, sizes, strides, addresses mod 16
+and values, csrc/launch/launch_signature.cpp), everything a launch takes but the call's tensors (and a
 dropout seed), as `LaunchPlan`s; `run(plan, tensors)` then launches the plan's compiled kernel
 with no key built and nothing looked up. That is sound because each launch argument of a plan is
 then fixed by the signature (grids, strides, flags, tiles) or is one of the call's tensors, whose
@@ -37,7 +37,7 @@ seed's value enters the signature by what Triton specialises on (`seed_class`).
 
 Packed launches take the last step out of Python (TRANSFORMER_FAST_NATIVE_LAUNCH=0 turns them
 off): a plan launched directly gets, at its second launch (`_PACK_LATER`), a `PackedLaunch`
-(csrc/triton_launch.cpp) holding the kernel's parameters packed as Triton's launcher would pass
+(csrc/launch/triton_launch.cpp) holding the kernel's parameters packed as Triton's launcher would pass
 them, and `run` hands it the call's tensors and seed: C++ writes their addresses into a copy, takes
 the device's current stream and calls cuLaunchKernel. Triton's launcher instead asks each tensor
 for its address through Python, and the driver to check it, on every launch. Packed launches cover
@@ -48,7 +48,7 @@ through a recording CUDA driver library) and against Triton's results on an H100
 (tests/test_direct_launch.py's gpu tests).
 
 With the same setting, the attention and norm ops' CUDA kernels are native calls
-(transformer_fast/_native_calls.py, csrc/native_calls.cpp), which replay a call's packed launches
+(transformer_fast/_native_calls.py, csrc/launch/native_calls.cpp), which replay a call's packed launches
 from C++. A thread's call recording (kernels/_call_recording.record_call) collects the packed launches made
 here; any other launch marks it incomplete (`_not_packed`). Forgetting plans or kernels drops the
 native calls' recipes too (`_forget_hooks`)."""
@@ -197,7 +197,7 @@ class CompiledLaunch:
         self._driver = (driver.active, knobs.runtime)
 
     def _key(self, device, args, kwargs):
-        """The call's pattern: the positional arguments' signature (csrc/launch_signature.cpp: each
+        """The call's pattern: the positional arguments' signature (csrc/launch/launch_signature.cpp: each
         one's type, a tensor's dtype and address mod 16, an int's width and value mod 16 or 1),
         the device, then the keyword arguments' names and values. One flat tuple, hashed on every
         call; its length fixes the number of keyword arguments, so no two patterns' parts can run
@@ -331,7 +331,7 @@ _PACK_LATER = object()
 _INT_TYPES = frozenset(("i1", "i8", "i16", "i32", "i64"))
 _UINT_TYPES = frozenset(("u1", "u8", "u16", "u32", "u64"))
 _MAX_SHARED_WITHOUT_ATTRIBUTE = 228 * 1024  # beyond it Triton 3.9 launches with an attribute: not packed
-_MAX_PACKED_PARAMS = 128  # csrc/triton_launch.cpp's kMaxParams
+_MAX_PACKED_PARAMS = 128  # csrc/launch/triton_launch.cpp's kMaxParams
 _driver_functions = {}
 
 
@@ -354,7 +354,7 @@ def _cuda_driver_functions(driver):
 
 
 def _pack_params(kernel, compiled, plan, n_tensors):
-    """(params, tensor_params, seed_param) of csrc/triton_launch.cpp for `plan`'s launch of
+    """(params, tensor_params, seed_param) of csrc/launch/triton_launch.cpp for `plan`'s launch of
     `compiled` (made from `kernel`): Triton's signature without its constexprs, 8 bytes each, the
     tensors' and the seed's slots left for each launch, then the two scratch pointers; None where
     a PackedLaunch does not cover the launch (module docstring)."""
@@ -426,7 +426,7 @@ class Plans:
         if self._signature is None:
             from transformer_fast import _build  # here, not at import: this package also imports alone
 
-            self._signature = _build.extension().call_signature
+            self._signature = _build.extension().launch_plan_signature
         signature = self._signature((args, extra))
         plan = self.plans.get(signature) if signature is not None else None
         if plan is None:

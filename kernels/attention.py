@@ -45,7 +45,7 @@ from .attention_decode import attention_combine_kernel, combine_launch_shape, pa
 from .attention_forward import attention_fwd_kernel  # noqa: F401
 from .attention_tiles import block_dims, length_bucket
 
-# The query offset's range (as every backend's, csrc/attention_extras.h): with the window sides
+# The query offset's range (as every backend's, csrc/ops/attention_extras.h): with the window sides
 # that _window leaves bounded, the kernels' position arithmetic stays within int32.
 _MAX_QUERY_OFFSET = 1 << 30
 # CUDA's limit on a grid's third dimension (the batch, or the sequences of a pack + 1).

@@ -3,7 +3,7 @@
     python -m transformer_fast.kernels.compile_check [--arch 80 90] [--json out.json] [--only FAMILY]
     python -m transformer_fast.kernels.compile_check --cuda [--arch 80 90]
 
---cuda compiles the C++ backend's CUDA sources (csrc/*.cu) with nvcc instead, for each arch, and
+--cuda compiles the C++ backend's CUDA sources (csrc/cuda/*.cu) with nvcc instead, for each arch, and
 reports registers and spills per kernel.
 
 The Triton interpreter accepts programs the GPU compiler rejects, so interpreter tests alone
@@ -153,11 +153,13 @@ def check_cuda_sources(archs):
         shim = os.path.join(tmp, "shim", "c10", "cuda", "impl")
         os.makedirs(shim)
         open(os.path.join(shim, "cuda_cmake_macros.h"), "w").close()
-        includes = [f"-I{p}" for p in [csrc, *cpp_extension.include_paths()]] + [f"-I{os.path.join(tmp, 'shim')}"]
-        for source in _build_config.CUDA_SOURCES:
+        includes = [f"-I{p}" for p in [*_build_config.include_paths(csrc), *cpp_extension.include_paths()]]
+        includes.append(f"-I{os.path.join(tmp, 'shim')}")
+        for path in _build_config.cuda_source_paths(csrc):
+            source = os.path.relpath(path, csrc)
             for cap in archs:
                 start = time.time()
-                cmd = [nvcc, "-c", os.path.join(csrc, source), "-o", os.path.join(tmp, "k.o"),
+                cmd = [nvcc, "-c", path, "-o", os.path.join(tmp, "k.o"),
                        f"-gencode=arch=compute_{cap},code=sm_{cap}", "-Xptxas", "-v",
                        *cpp_extension.COMMON_NVCC_FLAGS, *_build_config.extra_cuda_cflags(), *includes,
                        "-std=c++20"]  # what cpp_extension passes a build from torch 2.13 on (2.14 requires it)

@@ -1,4 +1,4 @@
-// Runs the C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh) on the CPU, so that
+// Runs the C++ backend's CUDA attention kernels (csrc/cuda/attention_cuda.cuh) on the CPU, so that
 // their logic (indexing, masks, the online softmax, shuffles, ballots and barriers) is tested
 // against the float64 reference on machines without a GPU (tests/test_attention_cuda_emulated.py).
 //
@@ -179,7 +179,7 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
 #define __launch_bounds__(...)
 #define TF_SHARED_MEMORY(name) float* name = tf_emulation::shared_memory()
 
-#include "attention_cuda.cuh"
+#include "cuda/attention_cuda.cuh"
 
 namespace tf_emulation {
 

@@ -181,7 +181,7 @@ RAGGED_KEY_BLOCKS = [  # (B, H, Hk, Nq, Nk, D, Dv, is_causal, softcap): key bloc
 @pytest.mark.parametrize("case", RAGGED_KEY_BLOCKS, ids=str)
 def test_packed_bf16_products_over_ragged_key_blocks(case):
     """The packed bf16 score and dP products run over the block's keys rounded up to 16 (the
-    width of an AMX tile; score_columns in csrc/attention_tiles.h), K^T and V^T packed with zero
+    width of an AMX tile; score_columns in csrc/cpu/attention_tiles.h), K^T and V^T packed with zero
     columns there, so those products write scores past the block's keys, which nothing may read
     (the softcap's tanh tile shares their row length). Forward and backward against float64, with
     k and v views into NaN-filled storage, so a read past their rows would show."""
@@ -206,7 +206,7 @@ SHORT_REDUCTIONS = [  # (B, H, Hk, Nq, Nk, D, Dv): every tile product over at mo
 def test_bf16_short_reductions_match_the_reference(case):
     """bf16 tile products over a few queries or keys: rounding P and dS to bf16 before them made
     gradients of 1-9 queries up to 2-4x the reference's error in fuzzing. The C++ backend makes
-    such products in fp32 (kShortReduction in csrc/attention_tiles.h), as the reference does, so this
+    such products in fp32 (kShortReduction in csrc/cpu/attention_tiles.h), as the reference does, so this
     asserts 1.25x the reference's error with no absolute slack (with bf16 products all four
     shapes failed 1.1x). Not 1.1x: these rows fit one key tile, where the kernel takes delta from
     P and dP rather than from the rounded output (test_attention_precision_tail.py), so it follows
@@ -226,7 +226,7 @@ def test_value_gradient_of_one_key_summed_over_many_rows(pad_to_one_key):
     all 900 rows of the group. MKL makes a product with one row of output as a gemv that adds
     its terms one after another; through that, fp32 dV had 1.4x the reference's error in the
     median draw (2x at worst, more in fuzzing). The C++ products with one or two output rows sum
-    in chunks (csrc/cpu_blas.h): 0.3x, 0.5x at worst. So this asserts 1x, not the usual 2x."""
+    in chunks (csrc/cpu/cpu_blas.h): 0.3x, 0.5x at worst. So this asserts 1x, not the usual 2x."""
     need_backend("cpp")
     B, H, Hk, Nq, D = 2, 6, 2, 300, 64
     Nk = 3 if pad_to_one_key else 1

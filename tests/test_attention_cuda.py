@@ -1,4 +1,4 @@
-"""The C++ backend's CUDA attention kernels (GPUs without Triton; csrc/attention_cuda.cuh), on a
+"""The C++ backend's CUDA attention kernels (GPUs without Triton; csrc/cuda/attention_cuda.cuh), on a
 GPU, against the float64 reference and the C++ CPU kernel. Their logic is also tested on the CPU,
 emulated: test_attention_cuda_emulated.py."""
 import pytest
@@ -31,7 +31,7 @@ def test_gpu_cpp_cuda_grid(D, dtype, is_causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gpu_cpp_cuda_dropout_drops_what_the_cpu_kernel_drops(is_causal):
-    """One hash (csrc/attention.h) on both devices: the same seed keeps the same probabilities,
+    """One hash (csrc/ops/attention_problem.h) on both devices: the same seed keeps the same probabilities,
     so the CUDA output and gradients match the CPU kernel's (themselves checked against the
     reference with the recovered mask in test_attention.py)."""
     need_backend("cpp")

@@ -1,4 +1,4 @@
-"""The C++ backend's CUDA attention kernels (csrc/attention_cuda.cuh), run on CPU threads by
+"""The C++ backend's CUDA attention kernels (csrc/cuda/attention_cuda.cuh), run on CPU threads by
 tests/cuda_emulation.cpp, against the float64 reference: their logic, tested where there is no GPU
 (slow, ~1 s per small case: shapes stay tiny). On a GPU, test_attention_cuda.py's gpu tests run them
 for real."""
@@ -168,7 +168,7 @@ def test_nan_in_a_query_shows_in_its_row_only(emulation):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dropout_matches_the_cpu_kernel(emulation, is_causal):
     """With the same seed the CUDA kernels drop the same probabilities as the CPU kernel (one hash,
-    csrc/attention.h), in the forward and when the backward regenerates the mask. (The CPU
+    csrc/ops/attention_problem.h), in the forward and when the backward regenerates the mask. (The CPU
     kernel's dropout is checked against the reference with its recovered mask in test_attention.py.)"""
     reason = _backends.available_backends()["cpp"]["cpu"]
     if reason != "ok":

@@ -170,7 +170,7 @@ def test_package_launchers_launch_directly_what_triton_would():
 
 
 def test_native_calls_replay_what_the_python_kernels_launch():
-    """Native calls (csrc/native_calls.cpp) of attention and the norms, each made from a recipe
+    """Native calls (csrc/launch/native_calls.cpp) of attention and the norms, each made from a recipe
     recorded from a twin call (the same signature, other tensors and seed), through the dispatcher
     (twin ops' CPU kernels): the Python kernel's launches, parameter bytes included, and its
     results, running no Python; calls that differ from a recorded one only in shared addresses or
@@ -262,7 +262,7 @@ def test_packed_launch_falls_back_refuses_and_reports(recording):
 
 
 def test_signature_covers_what_it_keys_and_refuses_the_rest():
-    """csrc/launch_signature.cpp: equal for arguments Triton compiles alike only where the fields
+    """csrc/launch/launch_signature.cpp: equal for arguments Triton compiles alike only where the fields
     it keys agree; None (the launch goes through Triton) for what it does not cover."""
     from transformer_fast import _build
 
@@ -284,13 +284,13 @@ def test_signature_covers_what_it_keys_and_refuses_the_rest():
     assert signature(()) == b""
 
 
-def test_call_signature_tells_apart_what_launchers_read():
-    """csrc/launch_signature.cpp's call_signature, the key of the launch plans: equal only for calls
-    alike in every dtype, device, size, stride, address mod 16 and value; None for what it cannot
-    describe (the launcher then plans the call afresh)."""
+def test_launch_plan_signature_tells_apart_what_launchers_read():
+    """csrc/launch/launch_signature.cpp's launch_plan_signature, the key of the launch plans: equal
+    only for calls alike in every dtype, device, size, stride, address mod 16 and value; None for
+    what it cannot describe (the launcher then plans the call afresh)."""
     from transformer_fast import _build
 
-    signature = _build.extension().call_signature
+    signature = _build.extension().launch_plan_signature
     x = torch.empty(4, 6)
     base = (x, None, 1, 0.5, True, (3, -1))
     assert signature(base) == signature((torch.empty(4, 6), None, 1, 0.5, True, (3, -1)))
@@ -358,7 +358,7 @@ def test_gpu_direct_launches_give_tritons_results():
 
 @pytest.mark.gpu
 def test_gpu_packed_launches_give_tritons_results():
-    """On a GPU, with packed launches (csrc/triton_launch.cpp): bitwise the results of launches
+    """On a GPU, with packed launches (csrc/launch/triton_launch.cpp): bitwise the results of launches
     through Triton's run, packed launches made for every op, and launched on the current stream:
     a side stream, and a CUDA graph's capture (where a launch on another stream fails) replayed."""
     from transformer_fast.kernels import _launch

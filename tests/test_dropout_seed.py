@@ -1,5 +1,5 @@
 """The attention ops' dropout seed: a one-element int64 CPU tensor that the public ops draw with an
-op torch.compile traces (csrc/op_utils.h, dropout_seed), not an int read with .item(). A step with
+op torch.compile traces (csrc/ops/op_utils.h, dropout_seed), not an int read with .item(). A step with
 dropout compiles to one graph, draws a new mask at each call, and its backward regenerates the
 forward's mask; a seed that is not one is refused with the argument named."""
 import pytest

@@ -166,7 +166,26 @@ def test_loaded_extension_is_newer_than_its_sources(tmp_path):
     old_binary = tmp_path / "_C.so"
     old_binary.write_bytes(b"")
     os.utime(old_binary, (0, 0))
-    assert "schemas.cpp" in _build.sources_newer_than(str(old_binary))
+    assert "ops/schemas.cpp" in _build.sources_newer_than(str(old_binary))
+
+
+def test_build_takes_every_source_of_csrc_folders(tmp_path):
+    """setup.py and the JIT build compile every .cpp of csrc/'s cpu/, ops/ and launch/ (and .cu of
+    cuda/) and bindings.cpp; two with one file name would share an object file in the JIT build, so
+    that is refused."""
+    from transformer_fast import _build, _build_config
+
+    csrc = _build._csrc_dir()
+    sources = {os.path.relpath(p, csrc) for p in _build_config.source_paths(csrc, cuda=True)}
+    assert {"ops/schemas.cpp", "cpu/attention_forward.cpp", "launch/native_calls.cpp", "bindings.cpp",
+            "cuda/attention_cuda.cu"} <= sources
+    assert {name for name in _build_config.source_files(csrc) if name.endswith((".cpp", ".cu"))} == sources
+    for folder in _build_config.CPP_FOLDERS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "cpu" / "norm.cpp").write_text("")
+    (tmp_path / "ops" / "norm.cpp").write_text("")
+    with pytest.raises(RuntimeError, match=r"share a file name \(norm.cpp\)"):
+        _build_config.source_paths(str(tmp_path))
 
 
 def test_torch_older_than_the_sources_need_is_named():

@@ -152,7 +152,7 @@ def _reference(c, mask):
 
 
 def _linear_form_gradients(c, mask, tensors, upstream):
-    """The kernels' O(N) backward (csrc/linear_attention.cpp's header) in plain torch, in the call's
+    """The kernels' O(N) backward (csrc/cpu/linear_attention.cpp's header) in plain torch, in the call's
     dtype: with V' = [V, 1] (0 for padded keys), S'_i the state row i sees, den_i = n'_i[Dv] + eps
     for n'_i = phi(q_i) S'_i, and G'_i = [dO_i / den_i, -(dO_i . out_i) / den_i]: d phi(q_i) =
     S'_i G'_i; with R'_j = dS'_F + the sum over the rows i that see key j of phi(q_i)^T G'_i,

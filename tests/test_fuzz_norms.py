@@ -203,7 +203,7 @@ def _torch_norm(c):
 
 
 def _kernel_form_gradients(c, tensors, upstream):
-    """The gradients by the kernels' equations (csrc/layer_norm.cpp), in plain torch in the compute
+    """The gradients by the kernels' equations (csrc/cpu/layer_norm.cpp), in plain torch in the compute
     dtype: the statistics of the rounded h summed in float64 and rounded once (mean, rstd =
     1 / sqrt(var + eps)), xhat = (h - mean) rstd (RMSNorm: h rstd), g = dy * w and dh = rstd (g -
     mean(g) - xhat mean(g xhat)) (RMSNorm: without mean(g)), plus the gradient reaching h; dw =

@@ -353,8 +353,9 @@ def test_a_failed_jit_build_names_the_compilers_error(tmp_path):
     """The ImportError quotes the compiler's first error, not ninja's closing "build stopped" (a
     torch whose headers need another C++ standard said only that)."""
     compiler = tmp_path / "c++"
+    message = "csrc/ops/schemas.cpp:1:2: error: this stand-in compiler refuses every source"
     compiler.write_text('#!/bin/sh\ncase " $* " in *" -c "*)\n'
-                        '  echo "csrc/schemas.cpp:1:2: error: this stand-in compiler refuses every source" >&2; exit 1;;\n'
+                        f'  echo "{message}" >&2; exit 1;;\n'
                         'esac\nexec c++ "$@"\n')
     compiler.chmod(0o755)
     code = ("import sys, warnings; sys.modules['transformer_fast._C'] = None\n"
@@ -364,8 +365,7 @@ def test_a_failed_jit_build_names_the_compilers_error(tmp_path):
     env = dict(os.environ, CXX=str(compiler), TRANSFORMER_FAST_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                             cwd=tmp_path)
-    assert "JIT build failed: RuntimeError: csrc/schemas.cpp:1:2: error: this stand-in compiler refuses every source" \
-        in result.stdout, result.stdout + result.stderr
+    assert f"JIT build failed: RuntimeError: {message}" in result.stdout, result.stdout + result.stderr
 
 
 @pytest.mark.usefixtures("skip_unavailable_backend")

@@ -217,7 +217,7 @@ def test_packed(backend, case):
 # The op's other paths and the offset's range
 # --------------------------------------------------------------------------------------------
 def test_dispatcher_autograd_passes_the_offset_to_the_backward():
-    """torch.ops' autograd node (csrc/attention_op.cpp) keeps query_offset for the backward op, and
+    """torch.ops' autograd node (csrc/ops/attention_op.cpp) keeps query_offset for the backward op, and
     for the composite backward of second derivatives (create_graph=True)."""
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 2, 9, 24) for _ in range(3))

@@ -171,7 +171,7 @@ def test_attention_triton(kind, dtype):
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_attention_cuda_kernels_emulated(emulation, kind):
-    """The C++ backend's CUDA kernels (csrc/attention_cuda.cuh), run on CPU threads: 20 keys span
+    """The C++ backend's CUDA kernels (csrc/cuda/attention_cuda.cuh), run on CPU threads: 20 keys span
     two forward key tiles of 16 and three dQ key tiles of 8."""
     _check_attention("cuda-emulated", (1, 2, 1, 12, 20, 16, 8, True, True), {"q", "k", "v", "dout"}, kind,
                      torch.float32, attention=emulated_attention(emulation, (16, 8, 16)))

@@ -1,6 +1,6 @@
 """Loading the C++ extension ``transformer_fast._C``: the one built by ``setup.py``, else a JIT
 build of ``csrc/`` with ``torch.utils.cpp_extension.load`` into a cache folder. Loading it
-registers the ops with torch's dispatcher (their schemas are in ``csrc/schemas.cpp``)."""
+registers the ops with torch's dispatcher (their schemas are in ``csrc/ops/schemas.cpp``)."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ import torch
 def _csrc_dir():
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
-        if os.path.isfile(os.path.join(candidate, "schemas.cpp")):
+        if os.path.isfile(os.path.join(candidate, "ops", "schemas.cpp")):
             return candidate
     return None
 
@@ -60,6 +60,7 @@ def _jit_build_variant(csrc, cuda):
     return cpp_extension.load(
         name="transformer_fast_C",
         sources=_build_config.source_paths(csrc, cuda),
+        extra_include_paths=_build_config.include_paths(csrc),
         extra_cflags=cflags,
         extra_cuda_cflags=_build_config.extra_cuda_cflags() if cuda else None,
         extra_ldflags=_build_config.extra_ldflags(),
@@ -70,15 +71,17 @@ def _jit_build_variant(csrc, cuda):
 
 def sources_newer_than(binary):
     """The C++ sources of this source tree changed after ``binary`` was built (an in-place build not
-    redone after an edit: the ops would be the old code). Empty for an installed package (its csrc/
-    is a copy inside it, whose file times say when it was installed) or one without sources."""
+    redone after an edit: the ops would be the old code), as paths under csrc/ ("ops/schemas.cpp").
+    Empty for an installed package (its csrc/ is a copy inside it, whose file times say when it was
+    installed) or one without sources."""
     csrc = _csrc_dir()
     package = os.path.dirname(os.path.realpath(__file__))
     if csrc is None or os.path.realpath(csrc) == os.path.join(package, "csrc"):
         return []
+    from . import _build_config
+
     built = os.path.getmtime(binary)
-    names = [n for n in os.listdir(csrc) if n.endswith((".cpp", ".h", ".cu", ".cuh"))]
-    return sorted(n for n in names if os.path.getmtime(os.path.join(csrc, n)) > built)
+    return [name for name in _build_config.source_files(csrc) if os.path.getmtime(os.path.join(csrc, name)) > built]
 
 
 def _warn_if_older_than_sources(binary):

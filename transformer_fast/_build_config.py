@@ -3,17 +3,18 @@
 This file imports nothing from the package, so ``setup.py`` can execute it before
 ``transformer_fast`` is installed.
 """
+import glob
 import os
 import platform
 
-# The kernels (softmax attention: forward and backward apart), their dispatcher layers, the
-# schemas and the bindings, one translation unit each, so that a parallel build compiles them side by side.
-SOURCES = ("schemas.cpp", "attention_forward.cpp", "attention_backward.cpp", "attention_args.cpp", "attention_op.cpp",
-           "layer_norm.cpp",
-           "layer_norm_op.cpp", "linear_attention.cpp", "linear_attention_op.cpp", "launch_signature.cpp",
-           "triton_launch.cpp", "native_calls.cpp", "bindings.cpp")
-# CUDA kernels of the C++ backend (for GPUs without Triton), built where torch has CUDA.
-CUDA_SOURCES = ("attention_cuda.cu",)
+# csrc/ by role: the op layer (ops/: schemas, argument checks, autograd, autocast), the CPU kernels
+# (cpu/), the native Triton launch runtime (launch/) and the Python bindings (bindings.cpp); the CUDA
+# kernels of the C++ backend (cuda/, for GPUs without Triton) where torch has CUDA. Every .cpp (and
+# .cu) of a folder is one translation unit, so that a parallel build compiles them side by side.
+# Includes name their header from csrc/ ("ops/op_utils.h"), which is on the include path.
+CPP_FOLDERS = ("cpu", "ops", "launch")
+CUDA_FOLDER = "cuda"
+BINDINGS = "bindings.cpp"
 CUDA_DEFINE = "-DTRANSFORMER_FAST_WITH_CUDA"
 
 
@@ -31,7 +32,34 @@ def with_cuda():
 
 
 def source_paths(csrc_dir, cuda=False):
-    return [os.path.join(csrc_dir, name) for name in SOURCES + (CUDA_SOURCES if cuda else ())]
+    """The translation units of csrc_dir: each .cpp of CPP_FOLDERS, the bindings, and with `cuda`
+    each .cu of cuda/. Their file names must differ across folders: the JIT build
+    (cpp_extension.load) names each object file after its source's name alone."""
+    paths = [path for folder in CPP_FOLDERS for path in sorted(glob.glob(os.path.join(csrc_dir, folder, "*.cpp")))]
+    paths.append(os.path.join(csrc_dir, BINDINGS))
+    paths += cuda_source_paths(csrc_dir) if cuda else []
+    names = [os.path.basename(path) for path in paths]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise RuntimeError(f"csrc/: two translation units share a file name ({', '.join(duplicated)}), "
+                           "which would make them share an object file in the JIT build")
+    return paths
+
+
+def cuda_source_paths(csrc_dir):
+    return sorted(glob.glob(os.path.join(csrc_dir, CUDA_FOLDER, "*.cu")))
+
+
+def include_paths(csrc_dir):
+    """The include path the sources expect: csrc/ itself, as they name their headers from there."""
+    return [csrc_dir]
+
+
+def source_files(csrc_dir):
+    """Every source and header under csrc_dir, as paths relative to it ("ops/schemas.cpp")."""
+    return sorted(os.path.relpath(os.path.join(folder, name), csrc_dir)
+                  for folder, _, names in os.walk(csrc_dir) for name in names
+                  if name.endswith((".cpp", ".h", ".cu", ".cuh")))
 
 
 def extra_cuda_cflags():

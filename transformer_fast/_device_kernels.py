@@ -2,7 +2,7 @@
 CUDA the Triton kernels where Triton loads (the attention and norm ops' as native calls unless
 TRANSFORMER_FAST_NATIVE_LAUNCH=0, transformer_fast/_native_calls.py), else the C++ CUDA kernels
 (attention) and plain torch; on any other device plain torch (as CompositeExplicitAutograd, the
-kernel of every backend key that has none of its own). The C++ CPU kernels register themselves (csrc/<family>.cpp).
+kernel of every backend key that has none of its own). The C++ CPU kernels register themselves (csrc/cpu/<family>.cpp).
 
 ``op_kernel`` adapts a backend's kernel-level function to its op's contract: empty problems
 answered without a launch, results a call does not produce as empty tensors (never None).
@@ -22,7 +22,7 @@ def _empty(ref):
 
 
 def _attention_forward(kernel):
-    check_seed = _build.extension().dropout_seed  # csrc/op_utils.h: what a seed is, and its messages
+    check_seed = _build.extension().dropout_seed  # csrc/ops/op_utils.h: what a seed is, and its messages
 
     def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                           softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
@@ -186,10 +186,10 @@ def register():
             for name in (f"{family}_forward", f"{family}_backward"):
                 kernel = op_kernel(name, "triton", "cuda")
                 if _native_calls_on() and name in _native_calls.OPS:
-                    native[name] = kernel  # csrc/native_calls.cpp sets the device before it
+                    native[name] = kernel  # csrc/launch/native_calls.cpp sets the device before it
                 else:
                     _library.impl(name, _on_device_of_first_tensor(kernel), "CUDA")
-        elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/attention_cuda.cu)
+        elif backend == "cpp":  # the C++ CUDA kernels register themselves (csrc/cuda/attention_cuda.cu)
             _build.extension().register_cuda_kernels()
     if native:
         _native_calls.setup(native)

@@ -3,7 +3,7 @@
 torch.func transforms and forward-mode AD, which the ops' autograd formulas cannot serve.
 
 The first run the named backend's kernels under a ``torch.autograd.Function`` with the same
-formulas as the ops' C++ autograd kernels (csrc/<family>_op.cpp); the second run the op written
+formulas as the ops' C++ autograd kernels (csrc/ops/<family>_op.cpp); the second run the op written
 in differentiable torch (``_composite.py``). Both take the arguments the C++ checks return, so
 the checks and their messages are the same on every path.
 """
@@ -42,7 +42,7 @@ _NO_EXTRAS = {}
 
 
 class Attention(torch.autograd.Function):
-    """``backend``'s attention kernels with the formula of csrc/attention_op.cpp. ``extras``: the
+    """``backend``'s attention kernels with the formula of csrc/ops/attention_op.cpp. ``extras``: the
     kernel ops' arguments beyond the dense masks, by name (sinks, which get a gradient, apart)."""
 
     @staticmethod
@@ -87,7 +87,7 @@ class Attention(torch.autograd.Function):
 
 
 def sinks_gradient(delta, lse, sinks, packed):
-    """d loss / d sinks (csrc/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * delta,
+    """d loss / d sinks (csrc/ops/attention_op.cpp): -sum over each head's rows of exp(sink - lse) * delta,
     delta = sum_j P_ij dP_ij from the backward kernel (lse-shaped: (B, H, Nq), packed (H, Tq))."""
     sink = sinks[:, None] if packed else sinks[None, :, None]
     weighted = torch.where(sink == lse, delta, torch.exp(sink - lse) * delta)  # P_sink = 1 where lse = sink (+inf)

@@ -1,9 +1,9 @@
-"""Native calls: the CUDA kernels of the Triton attention and norm ops in C++ (csrc/native_calls.cpp).
+"""Native calls: the CUDA kernels of the Triton attention and norm ops in C++ (csrc/launch/native_calls.cpp).
 
 On a GPU with Triton (unless TRANSFORMER_FAST_NATIVE_LAUNCH=0), `attention_forward`,
 `attention_backward`, `layer_norm_forward` and `layer_norm_backward` get one boxed C++ kernel for the
 CUDA key. For a call signature it has a recipe for, it makes the call's new tensors, launches the
-packed launches (csrc/triton_launch.cpp) with the call's tensors and seed and returns the results,
+packed launches (csrc/launch/triton_launch.cpp) with the call's tensors and seed and returns the results,
 running no Python. Otherwise it calls `call` below, which runs the op's Python kernel (the Triton
 launcher, transformer_fast/_device_kernels.py) and, when asked to record, describes what that call
 did as a recipe.
@@ -43,7 +43,7 @@ def _template(t):
 
 
 def recipe(rec, args, results, seed):
-    """What the recorded call `rec` did, for csrc/native_calls.cpp's parse_recipe, or None where it
+    """What the recorded call `rec` did, for csrc/launch/native_calls.cpp's parse_recipe, or None where it
     did anything a recipe cannot describe (module docstring):
       news:     (kind, sizes, template, argument copied, its sizes, its strides), contiguous each;
       launches: (packed launch, [(is new, index)] for each of its tensors);

@@ -32,7 +32,7 @@ def dropout_keep_mask(seed, shape, dropout_p, device):
     return torch.rand(shape, generator=generator, device=device) >= dropout_p
 
 
-# The query offset's range in every backend (csrc/attention_extras.h, kMaxQueryOffset).
+# The query offset's range in every backend (csrc/ops/attention_extras.h, kMaxQueryOffset).
 MAX_QUERY_OFFSET = 1 << 30
 
 

@@ -4,7 +4,7 @@ projection's (B, N, H * W) output viewed as heads and transposed, as most models
 gets results in (B, N, H, W) memory seen as (B, H, N, W), so that the model's transpose back to
 (B, N, H * W) is a view, not a copy; any other input, and packed (T, H, W) ones, get contiguous
 results. The forward's output follows q; the gradients dq, dk, dv follow q, k, v. The C++ kernels
-apply the same rule (new_output_in_rows_of in csrc/bindings.cpp)."""
+apply the same rule (new_output_in_rows_of in csrc/ops/new_tensors.cpp)."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
 """Input checks made in Python (that the public functions' tensor arguments are strided tensors,
 their flags, linear_attention_step's tensors); the ops check their arguments in C++
-(csrc/op_utils.h) with the same messages. Each raises TypeError (wrong type or dtype) or
+(csrc/ops/op_utils.h) with the same messages. Each raises TypeError (wrong type or dtype) or
 ValueError (wrong shape or value) naming the argument, what was expected and what was given."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numbers
 
 import torch
 
-MAX_HEAD_DIM = 256  # the widest head the kernels take (csrc/op_utils.h: kMaxHeadDim)
+MAX_HEAD_DIM = 256  # the widest head the kernels take (csrc/ops/op_utils.h: kMaxHeadDim)
 
 
 def check_bools(**flags):

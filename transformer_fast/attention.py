@@ -1,7 +1,7 @@
 """Softmax attention: the public ``scaled_dot_product_attention`` and ``varlen_attn``, and the fake
 kernels of their ops.
 
-The kernels (``kernels/attention*.py`` for Triton; ``csrc/attention_forward.cpp`` and
+The kernels (``kernels/attention*.py`` for Triton; ``csrc/cpu/attention_forward.cpp`` and
 ``attention_backward.cpp`` for C++; ``_plain_torch.py``) share one contract:
 
     attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
@@ -49,7 +49,7 @@ exp(inf - inf)), so the head's gradients are 0, the sink's own included; -inf is
 
 Dropout keeps p_ij with probability 1 - dropout_p, scaled by 1 / (1 - dropout_p), as a function of
 (seed, the row's lse index, j) that the backward regenerates. seed is None without dropout, else a
-one-element int64 CPU tensor (csrc/op_utils.h, dropout_seed, says why). num_splits: 0 lets the kernel split a
+one-element int64 CPU tensor (csrc/ops/op_utils.h, dropout_seed, says why). num_splits: 0 lets the kernel split a
 row's keys over several programs or threads (decoding: few queries, many keys) and merge the parts
 by their log-sum-exp; n >= 1 splits into at most n parts (1: never).
 
@@ -66,7 +66,7 @@ mask), with the forward's dropout: 0 for disallowed pairs, padded keys and rows 
 key. The backward's P follow from lse, which includes the sinks; the forward's sinks given to the
 backward tell the C++ kernel what its rows' P sum to (1 - exp(sinks[h] - lse_i)), where it corrects
 the rounding of lse in rows whose keys fit one tile. The sinks' gradient,
--sum_i exp(sinks[h] - lse_i) * delta_i, is formed by the autograd formula (csrc/attention_op.cpp)
+-sum_i exp(sinks[h] - lse_i) * delta_i, is formed by the autograd formula (csrc/ops/attention_op.cpp)
 from delta, which is empty unless compute_delta: then delta_i = sum_j p_ij dP_ij (dP = dO V^T, with
 the forward's dropout) in lse's shape and dtype, summed from the kernels' unrounded P and dP. (Its
 value in exact arithmetic is dO_i . O_i, the delta of FlashAttention's dS; with O in bf16/fp16 that
@@ -124,7 +124,7 @@ def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dr
 # --------------------------------------------------------------------------------------------
 def _dropout_seed(dropout_p):
     """The explicit backends' dropout seed, drawn as the public ops draw theirs
-    (csrc/attention_args.cpp, call_seed): a one-element int64 CPU tensor; None without dropout."""
+    (csrc/ops/attention_args.cpp, call_seed): a one-element int64 CPU tensor; None without dropout."""
     if dropout_p == 0.0:
         return None
     return torch.randint(2**62, (), dtype=torch.int64)

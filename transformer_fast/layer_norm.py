@@ -8,7 +8,7 @@ The kernel ops normalise the last dim:
 
 x, residual, dy, dh are (..., N) with unit stride along N (the ops take the caller's shape, so
 that autograd records no reshape around them; the kernels, ``kernels/layer_norm.py`` and
-``csrc/layer_norm.cpp``, see the M = numel / N rows); y, h and dx have x's shape; weight and
+``csrc/cpu/layer_norm.cpp``, see the M = numel / N rows); y, h and dx have x's shape; weight and
 bias (N,) or None. h = x + residual (rounded to x's dtype; None without a residual) is the input the
 statistics are taken of; y = (h - mean) * rstd * weight + bias (RMSNorm: mean is None and
 y = h * rstd * weight). mean and rstd are (M,) float32 (float64 for float64 inputs, which only the

@@ -1,7 +1,7 @@
 """Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs") with the feature map
 phi(x) = elu(x) + 1: the public functions, the fake kernels of its ops, and the recurrent step for decoding.
 
-The kernels (``kernels/linear_attention.py``, ``csrc/linear_attention.cpp``) share one signature:
+The kernels (``kernels/linear_attention.py``, ``csrc/cpu/linear_attention.cpp``) share one signature:
 
     linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
                              output_final_state) -> (out, S, z)

@@ -8,8 +8,8 @@
 #   install    build the C++ extension (CUDA kernels for the GPU present, TORCH_CUDA_ARCH_LIST) in place
 #   check      the gpu suite's install check: every kernel family on the GPU against float64
 #   packed     the packed-launch and native-call tests on the GPU (launches from C++,
-#              csrc/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
-#              native calls, csrc/native_calls.cpp: bitwise the Python kernels' results); where either
+#              csrc/launch/triton_launch.cpp: bitwise Triton's results, on a side stream and in a CUDA graph;
+#              native calls, csrc/launch/native_calls.cpp: bitwise the Python kernels' results); where either
 #              fails, the remaining stages run with TRANSFORMER_FAST_NATIVE_LAUNCH=0
 #   atomic_dq  the attention backward with dQ added atomically by the dK/dV kernel
 #              (TRANSFORMER_FAST_ATOMIC_DQ=1, opt-in): its gpu tests, then device time per kernel of

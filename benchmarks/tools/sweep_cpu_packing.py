@@ -1,7 +1,7 @@
 """Where packing K and V once per call pays off in the C++ attention: the packed tile products
 (bf16/fp16: PyTorch's brgemm, AMX where the CPU has it; fp32: register tiles) against MKL's, per
 shape, forward or forward+backward. The threshold they decide by (`packing_pays_off` in
-csrc/attention_tiles.h) is moved per call with TRANSFORMER_FAST_PACK_MIN_ROWS, so both paths run
+csrc/cpu/attention_tiles.h) is moved per call with TRANSFORMER_FAST_PACK_MIN_ROWS, so both paths run
 in one process, interleaved (`measure.time_interleaved`: the median of rounds).
 
     python -m benchmarks.tools.sweep_cpu_packing [--threads 1] [--dtypes bfloat16 float32] [--passes fwd fwd+bwd]

@@ -1,5 +1,5 @@
 """Checks, without a GPU, that the Triton ops' CUDA kernels launch directly (kernels/_launch.py)
-and packed (csrc/triton_launch.cpp) exactly as through Triton's own `JITFunction.run`.
+and packed (csrc/launch/triton_launch.cpp) exactly as through Triton's own `JITFunction.run`.
 
     python -m launch.check_launches [--triton-launcher]     (from tests/; tests/test_direct_launch.py runs it)
 

@@ -1,4 +1,4 @@
-"""Checks, without a GPU, that native calls (csrc/native_calls.cpp) replay the Python kernels they
+"""Checks, without a GPU, that native calls (csrc/launch/native_calls.cpp) replay the Python kernels they
 were recorded from.
 
     python -m launch.check_native_calls                    (from tests/; tests/test_direct_launch.py runs it)

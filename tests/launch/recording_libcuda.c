@@ -1,7 +1,7 @@
 /* A CUDA driver library that records launches instead of making them, built and loaded by
  * recording_driver.py (against the cuda.h Triton ships) and read through ctypes.
  *
- * cuLaunchKernel (what a PackedLaunch calls, csrc/triton_launch.cpp) and cuLaunchKernelEx (what
+ * cuLaunchKernel (what a PackedLaunch calls, csrc/launch/triton_launch.cpp) and cuLaunchKernelEx (what
  * Triton's own launcher calls) record the function, grid, block, shared memory, stream, launch
  * attributes and the parameters, as the driver reads them: as many as the kernel takes (set per
  * function with recording_set_param_count; a real driver reads it from the kernel image), 8 bytes

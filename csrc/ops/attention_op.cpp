@@ -1,9 +1,9 @@
 // Softmax attention's dispatcher layer: the autograd node of attention_forward (its backward is the
 // attention_backward op; the sinks' gradient is formed here from lse and the op's delta) and the
 // autocast kernels of both kernel ops. The public ops' checks are in attention_args.cpp.
-#include "autograd_node.h"
-#include "op_utils.h"
-#include "ops.h"
+#include "ops/attention_ops.h"
+#include "ops/autograd_node.h"
+#include "ops/op_utils.h"
 
 #include <array>
 

@@ -23,10 +23,10 @@
 // inter-chunk parts with R' in a reverse sweep. The initial state's gradient is R' once every row
 // is in it: dS'0 = dS'_F + sum_i phi(q_i)^T G'_i. d x = d phi(x) * elu'(x), and elu'(x) = min(phi(x), 1).
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "cpu_blas.h"
-#include "ops.h"
+#include "cpu/cpu_blas.h"
+#include "ops/linear_attention_ops.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -16,7 +16,7 @@
 // No CUDA header: the driver's functions come as addresses (resolved in Python with ctypes), the
 // stream through c10's device guard, so the CPU build has it too; `stream` fixes the stream for a
 // driver that is not CUDA's (the recording driver of the tests and tools).
-#include "triton_launch.h"
+#include "launch/triton_launch.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>

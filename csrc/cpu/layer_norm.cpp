@@ -14,7 +14,7 @@
 // adds of the chunks gave 2.7x torch's error over 6,000 rows in one block; chunks of 64 left
 // RMSNorm's over 64 rows at 1.8x, whose rows torch sums pairwise).
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -23,9 +23,9 @@
 #include <tuple>
 #include <vector>
 
-#include "layer_norm_rows.h"
-#include "op_utils.h"
-#include "ops.h"
+#include "cpu/layer_norm_rows.h"
+#include "ops/layer_norm_ops.h"
+#include "ops/op_utils.h"
 
 namespace transformer_fast {
 namespace {

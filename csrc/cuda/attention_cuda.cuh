@@ -4,7 +4,7 @@
 // checks this code on machines without a GPU.
 //
 // Same contract and semantics as the CPU kernels (transformer_fast/attention.py documents them),
-// including the dropout mask, regenerated from the hash in attention.h. These kernels run on the
+// including the dropout mask, regenerated from the hash in ops/attention_problem.h. These kernels run on the
 // CUDA cores in fp32 (no tensor cores) and use no atomics, so they are deterministic; the fast
 // GPU path is the Triton kernels.
 //
@@ -22,7 +22,7 @@
 
 #pragma once
 
-#include "attention.h"
+#include "ops/attention_problem.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -128,7 +128,7 @@ __device__ inline void row_dots(const float* rows, const float* x, int width, fl
 // The tile's terms are summed on their own first and then added to acc: acc runs over every tile
 // (and, for dK/dV, every head of a GQA group), and one running sum over all of them lost up to
 // ~2x the reference's accuracy in the dV of a key that takes every row's probability (the same
-// corner as csrc/cpu_blas.h's few_rows_gemm; measured in the CPU emulation).
+// corner as cpu/cpu_blas.h's few_rows_gemm; measured in the CPU emulation).
 template <int kDims>
 __device__ inline void accumulate_tile(float (&acc)[kRows][kDims], const float (&w)[kRows],
                                        const unsigned (&live)[kRows], const float* tile_rows, int ld, int width,

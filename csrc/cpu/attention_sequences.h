@@ -7,9 +7,9 @@
 // max_k covering every sequence.
 #pragma once
 
-#include "attention.h"
-#include "op_utils.h"
-#include "ops.h"
+#include "ops/attention_ops.h"
+#include "ops/attention_problem.h"
+#include "ops/op_utils.h"
 
 #include <ATen/ops/full.h>
 

@@ -1,8 +1,8 @@
 // LayerNorm/RMSNorm's dispatcher layer: the public op's argument checks, the autograd formula of
 // layer_norm_forward (its backward is the layer_norm_backward op) and the autocast kernels.
-#include "autograd_node.h"
-#include "op_utils.h"
-#include "ops.h"
+#include "ops/autograd_node.h"
+#include "ops/layer_norm_ops.h"
+#include "ops/op_utils.h"
 
 #include <cmath>
 #include <limits>

@@ -18,12 +18,12 @@
 // zeroed, so NaN or inf stored in padded keys/values cannot reach the output or the gradients.
 #pragma once
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "attention.h"
-#include "attention_scores.h"
-#include "attention_softmax.h"
-#include "cpu_blas.h"
+#include "cpu/attention_scores.h"
+#include "cpu/attention_softmax.h"
+#include "cpu/cpu_blas.h"
+#include "ops/attention_problem.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>

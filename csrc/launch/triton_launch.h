@@ -1,5 +1,5 @@
 // PackedLaunch: a compiled Triton kernel launched from C++ with its arguments packed once, for the
-// launch plans of kernels/_launch.py and the native calls of csrc/native_calls.cpp.
+// launch plans of kernels/_launch.py and the native calls of native_calls.cpp.
 #pragma once
 
 #include <torch/csrc/utils/pybind.h>

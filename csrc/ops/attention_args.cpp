@@ -3,8 +3,8 @@
 // kernel ops' contract (transformer_fast/attention.py) and call attention_forward through the
 // dispatcher. Values inside index tensors (cu_seq_q, block_table, ...) are checked by the kernels
 // that read them: reading them here would synchronise with a GPU.
-#include "op_utils.h"
-#include "ops.h"
+#include "ops/attention_ops.h"
+#include "ops/op_utils.h"
 
 #include <cmath>
 #include <limits>

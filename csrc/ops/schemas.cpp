@@ -1,7 +1,7 @@
 // The schemas of every transformer_fast op, in one place. Each op's kernels are registered beside
-// their code: CPU in csrc/<family>.cpp, CUDA in csrc/attention_cuda.cu (C++) or from Python
-// (Triton; as native calls, csrc/native_calls.cpp), autograd and autocast in csrc/<family>_op.cpp,
-// fake (meta) implementations in transformer_fast/<family>.py.
+// their code: CPU in csrc/cpu/<family>.cpp, CUDA in csrc/cuda/attention_cuda.cu (C++) or from Python
+// (Triton; as native calls, csrc/launch/native_calls.cpp), autograd and autocast in
+// csrc/ops/<family>_op.cpp, fake (meta) implementations in transformer_fast/<family>.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(transformer_fast, m) {

@@ -5,12 +5,12 @@
 // head; with fewer tasks than threads, the keys of a task are split into parts that are merged
 // afterwards (attention_decode.h).
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "attention_sequences.h"
-#include "attention_decode.h"
-#include "attention_tiles.h"
-#include "ops.h"
+#include "cpu/attention_decode.h"
+#include "cpu/attention_sequences.h"
+#include "cpu/attention_tiles.h"
+#include "ops/attention_ops.h"
 
 #include <algorithm>
 #include <cmath>

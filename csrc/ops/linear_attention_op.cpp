@@ -1,7 +1,7 @@
 // Linear attention's dispatcher layer: the public op's argument checks, the autograd formula of
 // linear_attention_forward (its backward is the linear_attention_backward op) and the autocast kernels.
-#include "op_utils.h"
-#include "ops.h"
+#include "ops/linear_attention_ops.h"
+#include "ops/op_utils.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 

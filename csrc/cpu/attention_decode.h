@@ -7,11 +7,11 @@
 // so the result does not depend on which thread ran which part.
 #pragma once
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "attention.h"
-#include "attention_softmax.h"
-#include "cpu_blas.h"
+#include "cpu/attention_softmax.h"
+#include "cpu/cpu_blas.h"
+#include "ops/attention_problem.h"
 
 #include <ATen/Parallel.h>
 

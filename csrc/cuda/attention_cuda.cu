@@ -1,8 +1,9 @@
 // CUDA launches of the C++ backend's softmax attention kernels (attention_cuda.cuh), on the
 // current stream of the tensors' device. Built only where torch has CUDA (_build_config.py).
 
-#include "attention_cuda.cuh"
-#include "op_utils.h"
+#include "cuda/attention_cuda.cuh"
+#include "ops/attention_ops.h"
+#include "ops/op_utils.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -112,7 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_op(
+// The attention_backward op's kernel for this device: attention_backward_cuda with the results a call does not
+// produce as empty tensors (an op cannot return None).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_kernel(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
@@ -136,7 +139,7 @@ void register_cuda_kernels() {
                                 __LINE__);
   static const bool registered = [] {
     library.impl("attention_forward", &attention_forward_cuda);
-    library.impl("attention_backward", &attention_backward_cuda_op);
+    library.impl("attention_backward", &attention_backward_cuda_kernel);
     return true;
   }();
   (void)registered;

@@ -4,7 +4,7 @@
 // attention_tiles.h's.
 #pragma once
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

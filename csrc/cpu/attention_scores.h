@@ -5,10 +5,10 @@
 // query rows a block of keys serves; the scores of few query rows made one dot product at a time.
 #pragma once
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "attention.h"
-#include "attention_softmax.h"
+#include "cpu/attention_softmax.h"
+#include "ops/attention_problem.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -8,7 +8,7 @@
 // products of 16 rows and columns or more are made here instead, in registers (register_gemm).
 #pragma once
 
-#include "cpu_capability.h"  // before any ATen header: at::vec's ISA
+#include "cpu/cpu_capability.h"  // before any ATen header: at::vec's ISA
 
 #include <ATen/ATen.h>
 

@@ -1,5 +1,5 @@
 // Two signatures of a call's arguments, as bytes objects (hashed by Python in one pass):
-//   call_signature: everything a launcher reads of an op kernel's arguments, for the launch plans of
+//   launch_plan_signature: everything a launcher reads of an op kernel's arguments, for the launch plans of
 //     kernels/_launch.py (keyed by it: equal signatures mean the same launches but for the tensors'
 //     addresses and a dropout seed's value);
 //   triton_launch_signature: what Triton's specialisation reads of a launch's positional arguments,
@@ -12,7 +12,7 @@
 // Anything else (None, another tensor subclass, a tensor without storage, an int beyond uint64)
 // gives None: the caller leaves that launch to Triton. Each field is finer than Triton's or
 // equal, so equal signatures never mean different compiled kernels.
-#include "launch_signature.h"
+#include "launch/launch_signature.h"
 
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -77,7 +77,7 @@ void append_tensor_signature(std::string& signature, const at::Tensor& t) {
   signature += static_cast<char>(reinterpret_cast<std::uintptr_t>(t.data_ptr()) & 15);
 }
 
-py::object call_signature(const py::tuple& args) {
+py::object launch_plan_signature(const py::tuple& args) {
   // per argument: a tensor's dtype, device, sizes, strides and address mod 16; None; a bool; an
   // int's or float's exact value; a tuple or list of these. None for anything else (or an int
   // beyond int64): the caller then plans that call afresh.

@@ -4,7 +4,7 @@
 // Shapes are read as SymInts, so the checks also run while torch.compile traces with dynamic shapes.
 #pragma once
 
-#include "new_tensors.h"
+#include "ops/new_tensors.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>

@@ -1,4 +1,4 @@
-// Allocating what the kernels write (defined in bindings.cpp).
+// Allocating what the kernels write (defined in new_tensors.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,7 +17,7 @@ at::Tensor new_zeros(at::IntArrayRef sizes, const at::TensorOptions& options);
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // Whether TRANSFORMER_FAST_POISON=1 was set when the extension loaded: the CPU kernels' scratch
-// buffers are then NaN-filled (attention_tiles.h's TileBuffer).
+// buffers are then NaN-filled (cpu/attention_tiles.h's TileBuffer).
 bool poison_scratch();
 
 // An attention result of width `width` shaped as `like` ((B, H, N, W) or packed (T, H, W)) and laid

@@ -4,12 +4,12 @@
 // key-block ranges are summed in a fixed order afterwards, so the result does not depend on
 // scheduling. The rows' sum_j P_ij dP_ij (compute_delta) is accumulated the same way.
 
-#include "cpu_capability.h"  // first: selects at::vec's ISA
+#include "cpu/cpu_capability.h"  // first: selects at::vec's ISA
 
-#include "attention_sequences.h"
-#include "attention_tiles.h"
-#include "op_utils.h"
-#include "ops.h"
+#include "cpu/attention_sequences.h"
+#include "cpu/attention_tiles.h"
+#include "ops/attention_ops.h"
+#include "ops/op_utils.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -407,7 +407,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_op(
+// The attention_backward op's kernel for this device: attention_backward with the results a call does not
+// produce as empty tensors (an op cannot return None).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu_kernel(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
     const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
@@ -425,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 }  // namespace
 
 TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
-  m.impl("attention_backward", &attention_backward_op);
+  m.impl("attention_backward", &attention_backward_cpu_kernel);
 }
 
 }  // namespace transformer_fast

@@ -1,11 +1,11 @@
-// What the CPU (attention_forward.cpp, attention_backward.cpp) and CUDA (attention_cuda.cu)
+// What the CPU (cpu/attention_forward.cpp, cpu/attention_backward.cpp) and CUDA (cuda/attention_cuda.cu)
 // softmax-attention kernels share: their entry points' common part, the
 // description of a problem, and the dropout mask, which both regenerate from the same hash (so a
 // seed drops the same probabilities on either device).
 #pragma once
 
-#include "attention_extras.h"
-#include "new_tensors.h"
+#include "ops/attention_extras.h"
+#include "ops/new_tensors.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -212,8 +212,8 @@ inline void check_inputs(const char* fn, c10::DeviceType device, const at::Tenso
                     k.size(1), ") must divide query heads (", q.size(1), ")");
 }
 
-// The entry points of every device (attention_forward.cpp, attention_backward.cpp,
-// attention_cuda.cu) share their checks, normalised inputs, outputs and empty problems;
+// The entry points of every device (cpu/attention_forward.cpp, cpu/attention_backward.cpp,
+// cuda/attention_cuda.cu) share their checks, normalised inputs, outputs and empty problems;
 // `launch(p, q, k, v, out, lse)` runs the device's kernels on a non-empty problem.
 //
 // Empty problems need no kernel: with no query rows (B, H or Nq = 0) out and lse are empty; with
@@ -278,29 +278,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_en
   launch(p, dout, q, k, v, out, lse, dq, dk, dv, dmask);
   return {dq, dk, dv, dmask};
 }
-
-#if defined(TRANSFORMER_FAST_WITH_CUDA)
-// attention_cuda.cu: the CUDA kernels' entry points (the contract of attention_forward and
-// attention_backward in ops.h), and their registration for the CUDA dispatch key, made only where
-// Triton does not serve CUDA tensors (transformer_fast/_device_kernels.py).
-std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
-    int64_t query_offset);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset);
-void register_cuda_kernels();
-#endif
 
 }  // namespace transformer_fast
