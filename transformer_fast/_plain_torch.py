@@ -1,12 +1,13 @@
-"""Each kernel family in plain PyTorch, once: one forward per family, written in differentiable
-torch, with the kernel-level signatures of the Triton and C++ kernels. It is the "reference"
-backend (float64, devices with no compiled kernels, tests) and the form torch differentiates where
-the kernels' first-order formulas cannot serve: forward-mode AD, the torch.func transforms, and
-second derivatives (the ``*_backward_composite`` ops, registered here). Every backward is torch's
-gradient of the forward (``torch.func.vjp``), so the backend and the differentiable form cannot
-disagree. It materialises everything (attention's score matrix), computes in float32 at least and
-returns the input dtype, as the kernels do; rows with nothing to attend to give 0, never NaN, with
-0 gradient. The float64 oracle the tests compare with is ``reference.py``, written apart from this.
+"""Each kernel family in plain PyTorch, once: one forward per family, written in differentiable torch,
+with the kernel-level signatures of the Triton and C++ kernels. It is the "reference" backend
+(float64, devices with no compiled kernels, tests) and the form torch differentiates where the
+kernels' first-order formulas cannot serve: forward-mode AD, the torch.func transforms, and second
+derivatives (the ``*_backward_composite`` ops, registered here). Every backward is torch's gradient
+of the forward (``torch.func.vjp``; attention's takes P from the forward's lse, as the kernels' do),
+so the backend and the differentiable form cannot disagree. It materialises everything (attention's
+score matrix), computes in float32 at least and returns the input dtype, as the kernels do; rows
+with nothing to attend to give 0, never NaN, with 0 gradient. The float64 oracle the tests compare
+with is ``reference.py``, written apart from this.
 """
 from __future__ import annotations
 
@@ -109,6 +110,15 @@ def softmax_with_sinks(scores, sinks=None):
     return probs, lse.squeeze(-1)
 
 
+def softmax_from_lse(scores, lse):
+    """p of scores (B, H, Nq, Nk) given the forward's lse (B, H, Nq), which holds the sinks: each
+    row's sink share 1 - sum_j exp(s_ij - lse_i) joins the denominator as a constant, so that autograd
+    differentiates p as softmax_with_sinks' (0, with 0 gradient, where lse is +inf)."""
+    terms = torch.exp(scores - lse[..., None])
+    total = terms.sum(-1, keepdim=True)
+    return terms / (total + (1 - total).detach())
+
+
 def check_offsets(name, offsets, total):
     """Cumulative lengths: from 0, nondecreasing, within the packed tensor's `total` rows."""
     if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[-1] > total:
@@ -159,17 +169,20 @@ def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes,
 
 
 def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap, alibi_slopes,
-               sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, query_offset, score_bias=None):
-    """(out, lse) in the compute dtype, out differentiable. score_bias (dense): added to the final
+               sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, query_offset, lse=None,
+               score_bias=None):
+    """(out, lse) in the compute dtype, out differentiable. lse: the forward's, given to the backward
+    (the contract's P follow from it; sinks are then not read). score_bias (dense): added to the final
     scores, so that its gradient is theirs (dmask)."""
     c = _compute_dtype(q)
     if cu_seq_q is not None:  # one dense problem per sequence, the packed rows concatenated back
         seed = seed_value(seed)  # sequence b drops with seed + b
         outs, lses = [], []
-        for b, _, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
-                                                     alibi_slopes, max_q, max_k):
+        for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                                                          alibi_slopes, max_q, max_k):
             ob, lb = _attention(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap, slopes,
-                                sinks, None, None, None, None, None, None, query_offset)
+                                sinks, None, None, None, None, None, None, query_offset,
+                                None if lse is None else lse[:, rows_q][None])
             outs.append(ob[0].transpose(0, 1))
             lses.append(lb[0])
         # Rows after the last sequence belong to none: out 0, lse the sink or +inf (the contract's
@@ -185,7 +198,10 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p
                               alibi_slopes, query_offset)
     if score_bias is not None:
         scores = scores + score_bias
-    probs, lse = softmax_with_sinks(scores, sinks)
+    if lse is None:
+        probs, lse = softmax_with_sinks(scores, sinks)
+    else:
+        probs = softmax_from_lse(scores, lse.to(c))
     if dropout_p > 0:
         probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
     group = q.shape[1] // v.shape[1]
@@ -206,9 +222,10 @@ def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dr
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
-    """The forward's gradients, recomputed from q, k, v and its sinks (out and lse are not read).
-    dmask is the gradient of a zero bias added to the final scores; delta is dO . O with the
-    unrounded O, which is sum_j p_ij dP_ij (O = sum_j p_ij v_j, dropout and sinks included)."""
+    """The forward's gradients: the forward recomputed from q, k, v with its P taken from lse, which
+    holds the sinks (sinks and out are not read), and differentiated. dmask is the gradient of a
+    zero bias added to the final scores; delta is dO . O with the unrounded O, which is
+    sum_j p_ij dP_ij (O = sum_j p_ij v_j, dropout included)."""
     check_query_offset("attention_backward", query_offset)
     c = _compute_dtype(q)
     packed = cu_seq_q is not None
@@ -217,7 +234,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
 
     def forward(q, k, v, *bias):
         return _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
-                          alibi_slopes, sinks, cu_seq_q, cu_seq_k, None, None, None, None, query_offset, *bias)[0]
+                          alibi_slopes, None, cu_seq_q, cu_seq_k, None, None, None, None, query_offset, lse, *bias)[0]
 
     recomputed, pull = torch.func.vjp(forward, q, k, v, *bias)
     dout = dout.to(c)
