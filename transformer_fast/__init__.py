@@ -10,7 +10,7 @@ _C, _reason = _build.load()
 if _C is None:
     raise ImportError(f"transformer_fast needs its C++ extension, which registers the ops: {_reason}")
 
-from . import _composite, _device_kernels  # noqa: E402
+from . import _device_kernels, _plain_torch  # noqa: E402
 from ._backends import available_backends  # noqa: E402
 from .attention import AuxRequest, scaled_dot_product_attention, varlen_attn  # noqa: E402
 from .layer_norm import layer_norm, rms_norm  # noqa: E402
@@ -19,7 +19,7 @@ from .nn import (  # noqa: E402
     LayerNorm, MultiheadAttention, RMSNorm, Seq2SeqTransformer, Transformer, TransformerDecoder,
     TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, convert)
 
-_composite.register()
+_plain_torch.register()
 _device_kernels.register()
 from .distributed import sharding as _sharding  # noqa: E402,F401  DTensor rules, registered once DTensor loads
 

@@ -4,7 +4,7 @@ torch.func transforms and forward-mode AD, which the ops' autograd formulas cann
 
 The first run the named backend's kernels under a ``torch.autograd.Function`` with the same
 formulas as the ops' C++ autograd kernels (csrc/ops/<family>_op.cpp); the second run the op written
-in differentiable torch (``_composite.py``). Both take the arguments the C++ checks return, so
+in differentiable torch (``_plain_torch.py``). Both take the arguments the C++ checks return, so
 the checks and their messages are the same on every path.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from . import _composite
+from . import _plain_torch
 from ._device_kernels import op_kernel
 
 _AUTOCAST_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -72,8 +72,8 @@ class Attention(torch.autograd.Function):
             if dropout_p > 0:
                 raise NotImplementedError("transformer_fast attention: second derivatives (create_graph=True) are "
                                           "not supported with dropout_p > 0")
-            dq, dk, dv, dmask, dsinks = _composite.attention_backward(dout, q, k, v, attn_mask, key_padding_mask,
-                                                                      is_causal, scale, sinks=sinks, **shape, **packed)
+            dq, dk, dv, dmask, dsinks = _plain_torch.attention_backward_composite(
+                dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, sinks=sinks, **shape, **packed)
         else:
             with autocast_off():
                 dq, dk, dv, dmask, delta = _kernel("attention_backward", backend, q)(
@@ -110,7 +110,7 @@ class LayerNorm(torch.autograd.Function):
         backend, eps, is_rms, has_residual = ctx.args
         dy = dy if dy.shape[-1] <= 1 or dy.stride(-1) == 1 else dy.contiguous()
         if torch.is_grad_enabled():  # create_graph=True
-            dx, dweight, dbias = _composite.layer_norm_backward(dy, h, weight, bias, eps, is_rms)
+            dx, dweight, dbias = _plain_torch.layer_norm_backward_composite(dy, h, weight, bias, eps, is_rms)
             if has_residual and dh is not None:
                 dx = dx + dh
         else:
@@ -143,7 +143,7 @@ class LinearAttention(torch.autograd.Function):
         if dout is None:  # a loss on the final state alone
             dout = q.new_zeros(*q.shape[:3], v.shape[3])
         if torch.is_grad_enabled():  # create_graph=True
-            dq, dk, dv, dS0, dz0 = _composite.linear_attention_backward(
+            dq, dk, dv, dS0, dz0 = _plain_torch.linear_attention_backward_composite(
                 dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S, grad_final_z)
         else:
             with autocast_off():
@@ -161,8 +161,8 @@ def attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, d
     sinks = extras.pop("sinks", None)
     if backend is None:
         with autocast_off():
-            return _composite.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                                seed, sinks=sinks, **extras)
+            return _plain_torch.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                                                  seed, sinks=sinks, **extras)
     return Attention.apply(backend, q, k, v, attn_mask, key_padding_mask, sinks, is_causal, scale, dropout_p, seed,
                            extras)
 
@@ -172,7 +172,7 @@ def layer_norm(backend, x, residual, weight, bias, eps, is_rms):
     composite form."""
     if backend is None:
         with autocast_off():
-            y, h, _, _ = _composite.layer_norm_forward(x, residual, weight, bias, eps, is_rms)
+            y, h, _, _ = _plain_torch.layer_norm_forward(x, residual, weight, bias, eps, is_rms)
         return y, h
     return LayerNorm.apply(backend, x, residual, weight, bias, eps, is_rms)
 
@@ -182,7 +182,7 @@ def linear_attention(backend, q, k, v, key_padding_mask, is_causal, eps, initial
     composite form (whose final state is None unless asked for)."""
     if backend is None:
         with autocast_off():
-            return _composite.linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S,
-                                                       initial_z, output_final_state)
+            return _plain_torch.linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S,
+                                                         initial_z, output_final_state)
     return LinearAttention.apply(backend, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
                                  output_final_state)

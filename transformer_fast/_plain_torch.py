@@ -1,8 +1,14 @@
-"""The plain-torch backend ("reference"): the kernel-level functions (same signatures as the
-Triton and C++ kernels) in plain PyTorch, materialising everything. It serves float64, devices
-with no compiled kernels, and tests. Backward passes are the textbook formulas (they run inside
-an op's backward, where autograd does not record). Computes in float32 at least and returns the
-input dtype, as the kernels do."""
+"""Each kernel family in plain PyTorch, once: one forward per family, written in differentiable torch,
+with the kernel-level signatures of the Triton and C++ kernels. It is the "reference" backend
+(float64, devices with no compiled kernels, tests) and the form torch differentiates where the
+kernels' first-order formulas cannot serve: forward-mode AD, the torch.func transforms, and second
+derivatives (the ``*_backward_composite`` ops, registered here). Every backward is torch's gradient
+of the forward (``torch.func.vjp``; attention's takes P from the forward's lse, as the kernels' do),
+so the backend and the differentiable form cannot disagree. It materialises everything (attention's
+score matrix), computes in float32 at least and returns the input dtype, as the kernels do; rows
+with nothing to attend to give 0, never NaN, with 0 gradient. The float64 oracle the tests compare
+with is ``reference.py``, written apart from this.
+"""
 from __future__ import annotations
 
 import torch
@@ -43,15 +49,15 @@ def check_query_offset(fn, query_offset):
 
 def attention_scores(q, k, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1), softcap=0.0,
                      alibi_slopes=None, query_offset=0):
-    """The final scores (B, H, Nq, Nk) of dense inputs in q's dtype, -inf where a key is not allowed,
-    and the raw scaled scores the soft-capping was applied to (None without it): the contract in
-    transformer_fast/attention.py, written with differentiable torch ops."""
+    """The final scores (B, H, Nq, Nk) of dense inputs in q's dtype, -inf where a key is not allowed:
+    the contract in transformer_fast/attention.py, written with differentiable torch ops."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)
-    raw = q @ k.transpose(-2, -1) * scale
-    scores = softcap * torch.tanh(raw / softcap) if softcap else raw
+    scores = q @ k.transpose(-2, -1) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     i = torch.arange(Nq, device=q.device)[:, None]
     j = torch.arange(Nk, device=q.device)[None, :]
     shift = Nk - Nq + query_offset  # the window and ALiBi: aligned to the bottom right, moved by the offset
@@ -71,7 +77,7 @@ def attention_scores(q, k, attn_mask, key_padding_mask, is_causal, scale, window
         disallowed = disallowed | key_padding_mask[:, None, None, :]
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         disallowed = disallowed | ~attn_mask
-    return scores.masked_fill(disallowed, float("-inf")), (raw if softcap else None)
+    return scores.masked_fill(disallowed, float("-inf"))
 
 
 def softmax_with_sinks(scores, sinks=None):
@@ -102,6 +108,15 @@ def softmax_with_sinks(scores, sinks=None):
         probs = torch.where(swamped, torch.zeros_like(probs), probs)
         lse = torch.where(swamped, torch.full_like(lse, float("inf")), lse)
     return probs, lse.squeeze(-1)
+
+
+def softmax_from_lse(scores, lse):
+    """p of scores (B, H, Nq, Nk) given the forward's lse (B, H, Nq), which holds the sinks: each
+    row's sink share 1 - sum_j exp(s_ij - lse_i) joins the denominator as a constant, so that autograd
+    differentiates p as softmax_with_sinks' (0, with 0 gradient, where lse is +inf)."""
+    terms = torch.exp(scores - lse[..., None])
+    total = terms.sum(-1, keepdim=True)
+    return terms / (total + (1 - total).detach())
 
 
 def check_offsets(name, offsets, total):
@@ -153,209 +168,218 @@ def sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table, alibi_slopes,
                vb.transpose(0, 1)[None], slopes)
 
 
+def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap, alibi_slopes,
+               sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, query_offset, lse=None,
+               score_bias=None):
+    """(out, lse) in the compute dtype, out differentiable. lse: the forward's, given to the backward
+    (the contract's P follow from it; sinks are then not read). score_bias (dense): added to the final
+    scores, so that its gradient is theirs (dmask)."""
+    c = _compute_dtype(q)
+    if cu_seq_q is not None:  # one dense problem per sequence, the packed rows concatenated back
+        seed = seed_value(seed)  # sequence b drops with seed + b
+        outs, lses = [], []
+        for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
+                                                          alibi_slopes, max_q, max_k):
+            ob, lb = _attention(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap, slopes,
+                                sinks, None, None, None, None, None, None, query_offset,
+                                None if lse is None else lse[:, rows_q][None])
+            outs.append(ob[0].transpose(0, 1))
+            lses.append(lb[0])
+        # Rows after the last sequence belong to none: out 0, lse the sink or +inf (the contract's
+        # row with no allowed key), as the kernels leave them.
+        H, rest = q.shape[1], q.shape[0] - int(cu_seq_q[-1])
+        outs.append(q.new_zeros(rest, H, v.shape[-1], dtype=c))
+        if sinks is None:
+            lses.append(q.new_full((H, rest), float("inf"), dtype=c))
+        else:
+            lses.append(sinks.detach().to(c)[:, None].expand(H, rest))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+    scores = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
+                              alibi_slopes, query_offset)
+    if score_bias is not None:
+        scores = scores + score_bias
+    if lse is None:
+        probs, lse = softmax_with_sinks(scores, sinks)
+    else:
+        probs = softmax_from_lse(scores, lse.to(c))
+    if dropout_p > 0:
+        probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
+    group = q.shape[1] // v.shape[1]
+    vc = v.to(c).repeat_interleave(group, dim=1) if group > 1 else v.to(c)
+    return probs @ vc, lse
+
+
 def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
                       softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
                       block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
     check_query_offset("attention_forward", query_offset)
-    c = _compute_dtype(q)
-    if cu_seq_q is not None:  # sequence b drops with seed + b
-        seed = seed_value(seed)
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-        # rows of no sequence (after the last) have no allowed key: lse the sink or +inf
-        lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=c, device=q.device)
-        if sinks is not None:
-            lse[:] = sinks.to(c)[:, None]
-        for b, rows_q, _, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, seqused_k, block_table,
-                                                          alibi_slopes, max_q, max_k):
-            ob, lb = attention_forward(qb, kb, vb, None, None, False, scale, dropout_p, seed + b, window, softcap,
-                                       slopes, sinks, query_offset=query_offset)
-            out[rows_q] = ob[0].transpose(0, 1)
-            lse[:, rows_q] = lb[0]
-        return out, lse
-    scores, _ = attention_scores(q.to(c), k.to(c), attn_mask, key_padding_mask, is_causal, scale, window, softcap,
-                                 alibi_slopes, query_offset)
-    probs, lse = softmax_with_sinks(scores, sinks)
-    if dropout_p > 0:
-        probs = probs * dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
-    v = v.to(c).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return in_rows_of(q, (probs @ v).to(q.dtype)), lse.to(c)
-
-
-def _sum_groups(t, heads):
-    """(B, H, ...) -> (B, heads, ...): sums each group of H // heads query heads (GQA)."""
-    B, H = t.shape[:2]
-    return t.reshape(B, heads, H // heads, *t.shape[2:]).sum(2)
+    out, lse = _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
+                          alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, query_offset)
+    out = out.to(q.dtype)
+    return (out if cu_seq_q is not None else in_rows_of(q, out)), lse.detach()
 
 
 def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
                        compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
                        max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
-    """sinks: unused (the gradients follow from lse, which includes them)."""
+    """The forward's gradients: the forward recomputed from q, k, v with its P taken from lse, which
+    holds the sinks (sinks and out are not read), and differentiated. dmask is the gradient of a
+    zero bias added to the final scores; delta is dO . O with the unrounded O, which is
+    sum_j p_ij dP_ij (O = sum_j p_ij v_j, dropout included)."""
     check_query_offset("attention_backward", query_offset)
-    if cu_seq_q is not None:
-        seed = seed_value(seed)
-        dq, dk, dv = (t.new_zeros(t.shape) for t in (q, k, v))  # contiguous, as packed results are
-        delta = lse.new_zeros(lse.shape) if compute_delta else None  # rows after the last sequence: 0
-        for b, rows_q, rows_k, qb, kb, vb, slopes in sequences(q, k, v, cu_seq_q, cu_seq_k, None, None,
-                                                               alibi_slopes):
-            dob = dout[rows_q].transpose(0, 1)[None]
-            lb = lse[:, rows_q][None]
-            g = attention_backward(dob, qb, kb, vb, None, lb, None, None, False, scale, dropout_p, seed + b, False,
-                                   window, softcap, slopes, compute_delta=compute_delta, query_offset=query_offset)
-            dq[rows_q] = g[0][0].transpose(0, 1)
-            dk[rows_k] = g[1][0].transpose(0, 1)
-            dv[rows_k] = g[2][0].transpose(0, 1)
-            if compute_delta:
-                delta[:, rows_q] = g[4][0]
-        return dq, dk, dv, None, delta
     c = _compute_dtype(q)
-    qc, kc, vc, doutc = q.to(c), k.to(c), v.to(c), dout.to(c)
-    H, Hk = q.shape[1], k.shape[1]
-    scores, raw = attention_scores(qc, kc, attn_mask, key_padding_mask, is_causal, scale, window, softcap,
-                                   alibi_slopes, query_offset)
-    # P from the forward's lse (sinks included), 0 where disallowed or on rows with no allowed key
-    probs = torch.exp(scores - lse.to(c)[..., None])
-    keep = 1.0
-    if dropout_p > 0:
-        keep = dropout_keep_mask(seed, probs.shape, dropout_p, q.device) / (1 - dropout_p)
-    k_full, v_full = kc.repeat_interleave(H // Hk, dim=1), vc.repeat_interleave(H // Hk, dim=1)
-    dv = _sum_groups((probs * keep).transpose(-2, -1) @ doutc, Hk)
-    dprobs = (doutc @ v_full.transpose(-2, -1)) * keep
-    delta = (dprobs * probs).sum(-1)
-    dscores = probs * (dprobs - delta[..., None])
-    dmask = dscores.to(dmask_dtype(attn_mask, q)) if compute_dmask else None
-    if raw is not None:  # through softcap * tanh(raw / softcap)
-        dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
-    dq = dscores @ k_full * scale
-    dk = _sum_groups(dscores.transpose(-2, -1) @ qc * scale, Hk)
-    return (in_rows_of(q, dq.to(q.dtype)), in_rows_of(k, dk.to(k.dtype)), in_rows_of(v, dv.to(v.dtype)), dmask,
-            delta.to(lse.dtype) if compute_delta else None)
+    packed = cu_seq_q is not None
+    # an expanded scalar: its gradient is full-sized, and nothing of that size is allocated for it
+    bias = (q.new_zeros((), dtype=c).expand(*q.shape[:3], k.shape[2]),) if compute_dmask and not packed else ()
+
+    def forward(q, k, v, *bias):
+        return _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
+                          alibi_slopes, None, cu_seq_q, cu_seq_k, None, None, None, None, query_offset, lse, *bias)[0]
+
+    recomputed, pull = torch.func.vjp(forward, q, k, v, *bias)
+    dout = dout.to(c)
+    dq, dk, dv, *dmask = pull(dout)
+    if packed:
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    else:
+        dq, dk, dv = in_rows_of(q, dq), in_rows_of(k, dk), in_rows_of(v, dv)
+    dmask = dmask[0].to(dmask_dtype(attn_mask, q)).contiguous() if dmask else None
+    delta = None
+    if compute_delta:
+        delta = (dout * recomputed).sum(-1)
+        delta = (delta.transpose(0, 1) if packed else delta).to(lse.dtype).contiguous()
+    return dq, dk, dv, dmask, delta
 
 
 def layer_norm_forward(x, residual, weight, bias, eps, is_rms):
     h = x if residual is None else x + residual  # rounded to the input dtype, as torch's x + r is
-    hc = h.to(_compute_dtype(x))
-    mean = None if is_rms else hc.mean(dim=-1)
-    centered = hc if is_rms else hc - mean[:, None]
-    rstd = torch.rsqrt((centered * centered).mean(dim=-1) + eps)
-    y = centered * rstd[:, None]
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    stats = torch.promote_types(x.dtype, torch.float32)
-    return (y.to(x.dtype), None if residual is None else h.contiguous(),
-            None if mean is None else mean.to(stats), rstd.to(stats))
+    c = _compute_dtype(h)
+    hc, shape = h.to(c), h.shape[-1:]
+    weight = None if weight is None else weight.to(c)
+    stats = hc.detach()  # mean and rstd are outputs the callers do not differentiate
+    if is_rms:
+        y = F.rms_norm(hc, shape, weight, eps)
+        mean, rstd = None, torch.rsqrt(stats.square().mean(-1) + eps)
+    else:
+        y = F.layer_norm(hc, shape, weight, None if bias is None else bias.to(c), eps)
+        var, mean = torch.var_mean(stats, dim=-1, correction=0)
+        rstd = torch.rsqrt(var + eps)
+    return y.to(h.dtype), (None if residual is None else h.contiguous()), mean, rstd
 
 
 def layer_norm_backward(dy, dh, h, weight, bias, mean, rstd, eps, is_rms):
+    """Recomputed from h (mean and rstd are not read), differentiated in the compute dtype so that dx
+    is rounded once, after dh joins it."""
     c = _compute_dtype(h)
-    hc, dyc, rstd = h.to(c), dy.to(c), rstd.to(c)[:, None]
-    xhat = (hc if is_rms else hc - mean.to(c)[:, None]) * rstd
-    g = dyc if weight is None else dyc * weight.to(c)
-    dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
-    if not is_rms:
-        dx = dx - g.mean(-1, keepdim=True)
-    dx = dx * rstd
-    if dh is not None:
-        dx = dx + dh.to(c)
-    dweight = None if weight is None else (dyc * xhat).sum(0).to(weight.dtype)
-    dbias = None if bias is None else dyc.sum(0).to(bias.dtype)
-    return dx.to(h.dtype), dweight, dbias
+    grads = _gradients(layer_norm_forward, (h.to(c), None, weight, bias, eps, is_rms), (0, 2, 3),
+                       (dy.to(c), None, None, None))
+    dx = grads[0] if dh is None else grads[0] + dh.to(c)
+    return dx.to(h.dtype), grads[2], grads[3]
 
 
-def _elu_feature_map(x):
-    return F.elu(x) + 1
-
-
-def _elu_derivative(x):
-    """d phi(x)/dx = elu'(x): 1 for x > 0, exp(x) otherwise."""
-    return torch.where(x > 0, 1.0, torch.exp(x))
-
-
-def _linear_attention_weights(q, k, key_padding_mask, is_causal):
-    """phi(q_i).phi(k_j), zeroed where key j is padded or (causal) j > i."""
-    weights = _elu_feature_map(q) @ _elu_feature_map(k).transpose(-2, -1)
+def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S=None, initial_z=None,
+                             output_final_state=False):
+    """(out, S, z): the final state (S, z) is None unless output_final_state."""
+    c = _compute_dtype(q)
+    phi_q, phi_k, vc = F.elu(q.to(c)) + 1, F.elu(k.to(c)) + 1, v.to(c)
+    if key_padding_mask is not None:  # padded keys are out of every sum
+        padded = key_padding_mask[:, None, :, None]
+        phi_k, vc = phi_k.masked_fill(padded, 0.0), vc.masked_fill(padded, 0.0)
+    weights = phi_q @ phi_k.transpose(-2, -1)
     if is_causal:
         weights = weights.tril()
-    if key_padding_mask is not None:
-        weights = weights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    return weights
-
-
-def _unpadded(x, key_padding_mask):
-    """x (B, H, Nk, .) with the rows of padded keys set to 0 (whatever they held)."""
-    return x if key_padding_mask is None else x.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-
-
-def _linear_attention_terms(q, k, v, key_padding_mask, is_causal, initial_S, initial_z):
-    """(weights, numerator, denominator without eps) in the compute dtype: the keys' sums plus the
-    initial state's terms phi(q) S0 and phi(q) . z0."""
-    weights = _linear_attention_weights(q, k, key_padding_mask, is_causal)
-    numerator = weights @ _unpadded(v, key_padding_mask)
-    denominator = weights.sum(-1, keepdim=True)
+    numerator = weights @ vc
+    denominator = weights.sum(dim=-1, keepdim=True)
     if initial_S is not None:
-        phi_q = _elu_feature_map(q)
-        numerator = numerator + phi_q @ initial_S.to(q.dtype)
-        denominator = denominator + phi_q @ initial_z.to(q.dtype)[..., None]
-    return weights, numerator, denominator
-
-
-def linear_attention_forward(q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, output_final_state):
-    c = _compute_dtype(q)
-    qc, kc, vc = q.to(c), k.to(c), v.to(c)
-    _, numerator, denominator = _linear_attention_terms(qc, kc, vc, key_padding_mask, is_causal, initial_S,
-                                                        initial_z)
+        numerator = numerator + phi_q @ initial_S.to(c)
+        denominator = denominator + phi_q @ initial_z.to(c)[..., None]
     out = (numerator / (denominator + eps)).to(q.dtype)
     if not output_final_state:
         return out, None, None
-    phi_k = _unpadded(_elu_feature_map(kc), key_padding_mask)
-    S = phi_k.transpose(-2, -1) @ _unpadded(vc, key_padding_mask)
-    z = phi_k.sum(-2)
+    S, z = phi_k.transpose(-2, -1) @ vc, phi_k.sum(dim=-2)
     if initial_S is not None:
-        S, z = S + initial_S, z + initial_z
+        S, z = S + initial_S.to(c), z + initial_z.to(c)
     return out, S, z
 
 
 def linear_attention_backward(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, grad_final_S,
                               grad_final_z):
-    """With W_ij = phi(q_i).phi(k_j) (allowed pairs), out_i = n_i / d_i, G_i = dout_i / d_i and
-    g_i = -(dout_i . out_i) / d_i: dW_ij = G_i . v_j + g_i; d phi(q_i) = sum_j dW_ij phi(k_j) +
-    S0 G_i + g_i z0; d phi(k_j) = sum_i dW_ij phi(q_i) + dS_F v_j + dz_F; dv_j = sum_i W_ij G_i +
-    phi(k_j) dS_F (unpadded j); dS0 = sum_i phi(q_i)^T G_i + dS_F, dz0 = sum_i g_i phi(q_i) + dz_F."""
-    c = _compute_dtype(q)
-    qc, kc, vc, doutc = q.to(c), k.to(c), _unpadded(v.to(c), key_padding_mask), dout.to(c)
-    weights, numerator, denominator = _linear_attention_terms(qc, kc, vc, key_padding_mask, is_causal, initial_S,
-                                                              initial_z)
-    denominator = denominator + eps
-    out = numerator / denominator
-    G = doutc / denominator
-    g = -(doutc * out).sum(-1, keepdim=True) / denominator
-    dweights = G @ vc.transpose(-2, -1) + g
-    if is_causal:
-        dweights = dweights.tril()
-    if key_padding_mask is not None:
-        dweights = dweights.masked_fill(key_padding_mask[:, None, None, :], 0.0)
-    phi_q, phi_k = _elu_feature_map(qc), _unpadded(_elu_feature_map(kc), key_padding_mask)
-    dphi_q = dweights @ phi_k
-    dphi_k = dweights.transpose(-2, -1) @ phi_q
-    dv = weights.transpose(-2, -1) @ G
-    if initial_S is not None:
-        dphi_q = dphi_q + G @ initial_S.to(c).transpose(-2, -1) + g * initial_z.to(c)[..., None, :]
-    if grad_final_S is not None:
-        dphi_k = dphi_k + vc @ grad_final_S.to(c).transpose(-2, -1)
-        dv = dv + phi_k @ grad_final_S.to(c)
-    if grad_final_z is not None:
-        dphi_k = dphi_k + grad_final_z.to(c)[..., None, :]
-    dq = dphi_q * _elu_derivative(qc)
-    dk = _unpadded(dphi_k * _elu_derivative(kc), key_padding_mask)
-    dv = _unpadded(dv, key_padding_mask)
-    dS0 = dz0 = None
-    if initial_S is not None:
-        dS0 = phi_q.transpose(-2, -1) @ G
-        dz0 = (g * phi_q).sum(-2)
-        if grad_final_S is not None:
-            dS0 = dS0 + grad_final_S.to(c)
-        if grad_final_z is not None:
-            dz0 = dz0 + grad_final_z.to(c)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dz0
+    final_state = grad_final_S is not None or grad_final_z is not None
+    grads = _gradients(linear_attention_forward,
+                       (q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, final_state),
+                       (0, 1, 2, 6, 7), (dout, grad_final_S, grad_final_z))
+    return (*(g.contiguous() for g in grads[:3]), *grads[6:8])
+
+
+def _gradients(forward, args, differentiable, grads):
+    """The gradients of ``forward(*args)`` for ``grads`` (one per output, None where an output gets
+    none) with respect to ``args[i]`` for i in ``differentiable`` (the absent ones skipped): one
+    entry per arg, None where none was taken. By torch.func.vjp, which differentiates at any dispatch
+    level (the dispatcher runs the backward kernels below autograd on devices with no kernels of
+    their own) and whose results autograd differentiates again (second derivatives)."""
+    wanted = [i for i in differentiable if args[i] is not None]
+    result = [None] * len(args)
+    if not wanted:
+        return result
+
+    def of_wanted(*primals):
+        full = list(args)
+        for i, primal in zip(wanted, primals):
+            full[i] = primal
+        return tuple(o for o, g in zip(forward(*full), grads) if g is not None)
+
+    _, pull = torch.func.vjp(of_wanted, *(args[i] for i in wanted))
+    for i, g in zip(wanted, pull(tuple(g for g in grads if g is not None))):
+        result[i] = g
+    return result
+
+
+# The *_backward_composite ops: the first-order gradients as a graph torch can differentiate again,
+# which the ops' autograd kernels call under create_graph=True. Only the inputs that require grad
+# are differentiated; the others get zeros (an empty tensor where absent).
+def _composite_gradients(forward, args, differentiable, grads):
+    requiring = [i for i in differentiable if isinstance(args[i], torch.Tensor) and args[i].requires_grad]
+    found = _gradients(forward, args, requiring, grads)
+    return [found[i] if found[i] is not None else torch.zeros_like(args[i]) if args[i] is not None else torch.empty(0)
+            for i in differentiable]
+
+
+def attention_backward_composite(dout, q, k, v, attn_mask, key_padding_mask, is_causal, scale, window=(-1, -1),
+                                 softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None,
+                                 query_offset=0):
+    """(dq, dk, dv, dmask, dsinks)."""
+    args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, None, window, softcap, alibi_slopes, sinks,
+            cu_seq_q, cu_seq_k, None, None, None, None, 0, query_offset)
+    return tuple(_composite_gradients(attention_forward, args, (0, 1, 2, 3, 12), (dout, None)))
+
+
+def layer_norm_backward_composite(dy, h, weight, bias, eps, is_rms):
+    """(dx, dweight, dbias) through the saved normalised input h (x + residual, itself the op's
+    output: torch differentiates through it back to x and the residual)."""
+    return tuple(_composite_gradients(layer_norm_forward, (h, None, weight, bias, eps, is_rms), (0, 2, 3),
+                                      (dy, None, None, None)))
+
+
+def linear_attention_backward_composite(dout, q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z,
+                                        grad_final_S, grad_final_z):
+    """(dq, dk, dv, d initial_S, d initial_z); the last two empty without an initial state."""
+    final_state = grad_final_S is not None or grad_final_z is not None
+    args = (q, k, v, key_padding_mask, is_causal, eps, initial_S, initial_z, final_state)
+    dq, dk, dv, dS0, dz0 = _composite_gradients(linear_attention_forward, args, (0, 1, 2, 6, 7),
+                                                (dout, grad_final_S, grad_final_z))
+    if initial_S is None:
+        dS0, dz0 = q.new_empty(0, dtype=_compute_dtype(q)), q.new_empty(0, dtype=_compute_dtype(q))
+    return dq, dk, dv, dS0, dz0
+
+
+_library = None
+
+
+def register():
+    """Registers the *_backward_composite functions as their ops' kernels (once)."""
+    global _library
+    if _library is not None:
+        return
+    _library = torch.library.Library("transformer_fast", "IMPL")
+    for fn in (attention_backward_composite, layer_norm_backward_composite, linear_attention_backward_composite):
+        _library.impl(fn.__name__, fn, "CompositeImplicitAutograd")

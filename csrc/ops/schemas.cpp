@@ -50,7 +50,7 @@ TORCH_LIBRARY(transformer_fast, m) {
         "Tensor? grad_final_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // The first-order gradients as a graph torch can differentiate again (second derivatives,
-  // create_graph=True): the op written in differentiable torch (transformer_fast/_composite.py),
+  // create_graph=True): the op written in differentiable torch (transformer_fast/_plain_torch.py),
   // registered from Python as CompositeImplicitAutograd.
   m.def("attention_backward_composite(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, "
         "Tensor? key_padding_mask, bool is_causal, float scale, int[] window=[-1, -1], float softcap=0.0, "
