@@ -111,6 +111,9 @@ def main(argv=None):
         model = build_model()
         reference = train_one_process(copy.deepcopy(model), args) if rank == 0 else None
         losses = train_context_parallel(model, args, dist.group.WORLD)
+        # Every rank done with the group before any tears it down: gloo's connection threads could
+        # otherwise see a peer close while they still run (an abort at exit under load).
+        dist.barrier()
         if rank != 0:
             return 0
         worst = 0.0
