@@ -20,6 +20,7 @@ SUITE_TEXT = {
     "varlen": "CPU attention on packed sequences, a sliding window and a decoding step",
     "host": "host cost per call of each public function, one thread, tiny tensors",
     "models": "whole models (BERT, Llama-like decoder, encoder-decoder) against the same model on sdpa",
+    "distributed": "context parallelism on 2 gloo processes against one process: efficiency, memory, bytes sent",
 }
 
 
