@@ -178,10 +178,8 @@ def _distributed(impl, group):
         from transformer_fast.distributed.linear_attention import context_parallel_linear_attention
 
         return lambda q, k, v: context_parallel_linear_attention(q, k, v, group, layout=layout, is_causal=causal)
-    try:
-        from transformer_fast.distributed.attention import context_parallel_attention
-    except ImportError as exc:
-        raise NotImplementedError(f"transformer_fast.distributed.attention is not available ({exc})") from None
+    from transformer_fast.distributed.attention import context_parallel_attention
+
     return lambda q, k, v: context_parallel_attention(q, k, v, group, mode=mode, layout=layout, is_causal=causal)
 
 
@@ -273,10 +271,7 @@ def _measure(rank, world, group, config):
     result = {"rank": rank, "checks": {}, "passes": {}}
     impls = []
     for impl in config["impls"]:
-        try:
-            ok, err, bound, note = _check(impl, group, rank, world, full, dout_full)
-        except NotImplementedError as exc:
-            ok, err, bound, note = None, None, None, f"n/a: {exc}"
+        ok, err, bound, note = _check(impl, group, rank, world, full, dout_full)
         result["checks"][impl] = {"ok": ok, "max_error": err, "error_bound": bound, "note": note}
         # every rank must agree on what to time: a rank whose check failed drops the implementation everywhere
         agreed = torch.tensor([1.0 if ok else 0.0])
