@@ -2,9 +2,9 @@
 // blocks of ops/, cpu/ and cuda/). The Python bindings below serve what the dispatcher does not:
 //   * the public ops' C++ functions, called directly by the Python functions in eager mode (the
 //     same code the dispatcher runs for torch.ops.transformer_fast.<op>, without the boxed call);
-//   * their argument checks alone (*_args), for the paths that run a backend other than the
-//     dispatcher's (backend=..., the torch.func transforms);
-//   * the kernel-level functions, for those paths;
+//   * their argument checks alone (*_args), for the torch.func transforms (transformer_fast/_transforms.py);
+//   * the kernel-level functions, for a backend named by backend= (ops/named_backend.h) and the
+//     context-parallel blocks, with the function those named backends run through;
 //   * the signatures of an op kernel's call and of a Triton launch's arguments (launch/launch_signature.cpp),
 //     and launches of compiled Triton kernels from C++ (launch/triton_launch.cpp), for kernels/_launch.py;
 //   * the native calls' set-up (launch/native_calls.cpp), for transformer_fast/_native_calls.py;
@@ -15,6 +15,7 @@
 #include "ops/attention_ops.h"
 #include "ops/layer_norm_ops.h"
 #include "ops/linear_attention_ops.h"
+#include "ops/named_backend.h"
 #include "ops/op_utils.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -144,7 +145,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return tf::layer_norm(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual, is_rms);
   });
   m.def("linear_attention", &tf::linear_attention);
+  // A backend by name below the ops' autograd (ops/named_backend.h).
+  m.def("set_named_kernel_runner", [](py::object fn) { tf::set_named_kernel_runner(fn.ptr()); });
+  m.def("exchange_named_backend", &tf::exchange_named_backend, py::arg("backend"));
   // The attention ops' dropout seed as an int (their checks and messages), for the Python kernels.
+  // The sinks' gradient of the ops' autograd formula, for the context-parallel backwards.
+  m.def("sinks_gradient", &tf::sinks_gradient, py::arg("delta"), py::arg("lse"), py::arg("sinks"), py::arg("packed"));
   m.def("dropout_seed", &tf::dropout_seed, py::arg("fn"), py::arg("seed"), py::arg("dropout_p"));
 
   // (q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras): extras is a dict of the kernel

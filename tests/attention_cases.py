@@ -287,13 +287,15 @@ def kernel_attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_ma
                                                                    seed_tensor(seed), compute_dmask)
 
 
-def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend):
-    """The output of ``backend``'s attention kernels on kernel-level arguments, with its autograd
-    formula (the path ``backend=`` takes)."""
-    from transformer_fast import _named_backend
+def differentiable_attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, backend,
+                             **extras):
+    """The output of the attention_forward op run by ``backend``'s kernels (the path ``backend=``
+    takes: the op's own autograd formula, the named backend's kernels below it)."""
+    from transformer_fast import _backends
 
-    return _named_backend.attention(backend, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                   seed_tensor(seed))[0]
+    with _backends.named(backend):
+        return torch.ops.transformer_fast.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                                            dropout_p, seed_tensor(seed), **extras)[0]
 
 
 def record_launches(monkeypatch):

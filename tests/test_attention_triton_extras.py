@@ -16,8 +16,8 @@ import torch
 import transformer_fast as tf
 from transformer_fast import reference
 
-from attention_cases import (check_attention, flash_gradients, make_qkv, random_attn_mask, random_key_padding,
-                             record_launches_and_ops)
+from attention_cases import (check_attention, differentiable_attention, flash_gradients, make_qkv, random_attn_mask,
+                             random_key_padding, record_launches_and_ops)
 from helpers import TRITON_TESTS, assert_close_to_reference, compare_with_reference, kernel_device as _device
 
 pytestmark = TRITON_TESTS
@@ -292,9 +292,7 @@ def test_dropout_in_packed_mode_forward_and_backward_agree():
     assert allowed.sum() > 400 and abs(rate - (1 - p)) < 0.08, rate
 
     def kernel(q, k, v):
-        from transformer_fast import _named_backend
-
-        return _named_backend.attention("triton", q, k, v, None, None, False, D ** -0.5, p, seed, extras)[0]
+        return differentiable_attention(q, k, v, None, None, False, D ** -0.5, p, seed, "triton", **extras)
 
     def ref(q, k, v):
         outs = []

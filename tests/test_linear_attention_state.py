@@ -11,7 +11,7 @@ import torch
 from torch.func import jvp
 
 import transformer_fast as tf
-from transformer_fast import _backends, _named_backend, reference
+from transformer_fast import _backends, reference
 from transformer_fast.linear_attention import LinearAttentionState
 
 from attention_cases import make_qkv, random_key_padding
@@ -359,6 +359,12 @@ def test_bad_states_are_rejected_naming_the_argument():
 # ----------------------------------------------------------------------------------------------
 # The op layer with a state: call paths, compile, transforms, autocast
 # ----------------------------------------------------------------------------------------------
+def _run_named(backend, op, *args):
+    """op(*args) with its kernels those of ``backend`` named explicitly (below the op's autograd)."""
+    with _backends.named(backend):
+        return op(*args)
+
+
 @pytest.mark.skipif(CPP_REASON is not None, reason=str(CPP_REASON))
 def test_call_paths_agree_bit_for_bit():
     """The eager binding, torch.ops (the dispatcher) and the C++ backend named explicitly run the
@@ -370,7 +376,8 @@ def test_call_paths_agree_bit_for_bit():
         lambda q, k, v, S, z: (lambda o, s: (o, *s))(*tf.linear_attention(
             q, k, v, is_causal=True, key_padding_mask=mask, initial_state=(S, z), output_final_state=True)),
         lambda q, k, v, S, z: torch.ops.transformer_fast.linear_attention(q, k, v, True, mask, 1e-6, S, z, True),
-        lambda q, k, v, S, z: _named_backend.linear_attention("cpp", q, k, v, mask, True, 1e-6, S, z, True),
+        lambda q, k, v, S, z: _run_named("cpp", torch.ops.transformer_fast.linear_attention, q, k, v, True, mask, 1e-6,
+                                         S, z, True),
     ]
     results = []
     for call in calls:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_fast as tf
-from transformer_fast import _backends, _build_config, _device_kernels, _named_backend
+from transformer_fast import _backends, _build_config, _device_kernels
 
 from attention_cases import make_qkv
 from helpers import BACKENDS, kernel_device, result_strides
@@ -137,6 +137,12 @@ def _run(fn, inputs):
     return [out.detach()] + [t.grad for t in inputs if isinstance(t, torch.Tensor) and t.grad is not None]
 
 
+def _run_named(backend, op, *args):
+    """op(*args) run by ``backend``'s kernels named explicitly (below the op's autograd node)."""
+    with _backends.named(backend):
+        return op(*args)
+
+
 @pytest.mark.parametrize("family", ["attention", "layer_norm", "linear_attention"])
 def test_binding_ops_and_named_backend_agree_bit_for_bit(family):
     """The eager call (the C++ binding), torch.ops.transformer_fast.<op> (the dispatcher) and
@@ -145,20 +151,21 @@ def test_binding_ops_and_named_backend_agree_bit_for_bit(family):
     if family == "attention":
         calls = [lambda q, k, v, m: tf.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
                  lambda q, k, v, m: ops.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, key_padding_mask=pad),
-                 lambda q, k, v, m: _named_backend.attention(
-                     "cpp", q, k, v, m, pad, False, 8 ** -0.5, 0.0, None)[0]]
+                 lambda q, k, v, m: _run_named("cpp", ops.attention_forward, q, k, v, m, pad, False, 8 ** -0.5, 0.0,
+                                               None)[0]]
         inputs = (q, k, v, mask)
     elif family == "layer_norm":
         x, r, w = torch.randn(3, 4, 40), torch.randn(3, 4, 40), torch.randn(40)
         calls = [lambda x, r, w: tf.layer_norm(x, 40, w, residual=r),
                  lambda x, r, w: ops.layer_norm(x, [40], w, None, 1e-5, r),
-                 lambda x, r, w: _named_backend.layer_norm("cpp", x.view(12, 40), r.view(12, 40), w, None,
-                                                                        1e-5, False)]
+                 lambda x, r, w: _run_named("cpp", ops.layer_norm_forward, x.view(12, 40), r.view(12, 40), w, None,
+                                            1e-5, False)[:2]]
         inputs = (x, r, w)
     else:
         calls = [lambda q, k, v: tf.linear_attention(q, k, v, is_causal=True),
                  lambda q, k, v: ops.linear_attention(q, k, v, True),
-                 lambda q, k, v: _named_backend.linear_attention("cpp", q, k, v, None, True, 1e-6, None, None, False)]
+                 lambda q, k, v: _run_named("cpp", ops.linear_attention_forward, q, k, v, None, True, 1e-6, None, None,
+                                            False)[0]]
         inputs = (q, k[:, :1].expand(2, 4, 5, 8), v[:, :1].expand(2, 4, 5, 8))
     results = [_run(call, inputs) for call in calls]
     for other in results[1:]:
@@ -308,15 +315,78 @@ def test_backend_environment_variable(monkeypatch):
     """TRANSFORMER_FAST_BACKEND overrides "auto" per call: the call leaves the binding."""
     x = torch.randn(3, 8)
     calls = []
-    original = _named_backend.layer_norm
-    monkeypatch.setattr(_named_backend, "layer_norm", lambda *a: calls.append(a[0]) or original(*a))
+    original = _device_kernels.op_kernel
+    monkeypatch.setattr(_device_kernels, "op_kernel", lambda *a: calls.append(a[:2]) or original(*a))
     tf.layer_norm(x, 8)
     assert calls == []
     monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")
     assert _backends.select_backend(torch.device("cpu"), torch.float32, "auto", "layer_norm") == "reference"
     y = tf.layer_norm(x, 8)
-    assert calls == ["reference"]
+    assert calls == [("layer_norm_forward", "reference")]
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)))
+
+
+def _count_kernels(monkeypatch):
+    """The (op, backend) of every kernel a named backend runs (_device_kernels.run_named)."""
+    calls = []
+    original = _device_kernels.op_kernel
+    monkeypatch.setattr(_device_kernels, "op_kernel", lambda *a: calls.append(a[:2]) or original(*a))
+    return calls
+
+
+_FAMILY_CALLS = {
+    "attention": lambda t, backend: tf.scaled_dot_product_attention(t, t, t, is_causal=True, backend=backend),
+    "layer_norm": lambda t, backend: tf.layer_norm(t, 8, backend=backend),
+    "linear_attention": lambda t, backend: tf.linear_attention(t, t, t, is_causal=True, backend=backend),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILY_CALLS))
+def test_named_backend_runs_below_the_one_autograd_node(family, monkeypatch):
+    """backend="reference" takes the op's own C++ autograd node, with the named backend's kernels
+    below it, forward and backward (the backward outside the call's context: the node keeps the
+    name), and leaves the thread's choice as it was."""
+    calls = _count_kernels(monkeypatch)
+    x = torch.randn(2, 3, 5, 8, requires_grad=True)
+    out = _FAMILY_CALLS[family](x, "reference")
+    assert out.grad_fn.name().startswith("transformer_fast::") or family == "linear_attention"
+    out.sum().backward()
+    assert calls == [(f"{family}_forward", "reference"), (f"{family}_backward", "reference")]
+    expected = _FAMILY_CALLS[family](x.detach().double().requires_grad_(), "auto")  # float64: plain torch too
+    torch.testing.assert_close(out, expected.float())
+    calls.clear()
+    _FAMILY_CALLS[family](x, "auto").sum().backward()
+    assert calls == []  # the choice did not outlive the call
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILY_CALLS))
+def test_named_backend_in_inference_mode_and_other_threads(family, monkeypatch):
+    """The choice is made below autograd, so inference mode (no autograd keys) keeps it; a backward
+    run by another thread runs the forward's backend."""
+    calls = _count_kernels(monkeypatch)
+    x = torch.randn(2, 3, 5, 8)
+    with torch.inference_mode():
+        _FAMILY_CALLS[family](x, "reference")
+    assert calls == [(f"{family}_forward", "reference")]
+    calls.clear()
+    out = _FAMILY_CALLS[family](x.requires_grad_(), "reference")
+    import threading
+
+    worker = threading.Thread(target=lambda: out.sum().backward())
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive() and x.grad is not None
+    assert calls == [(f"{family}_forward", "reference"), (f"{family}_backward", "reference")]
+
+
+def test_named_backend_error_keeps_its_type_and_restores_the_choice():
+    """An error raised by a named backend's Python kernel reaches the caller with its own type,
+    and the thread's choice is restored after it."""
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="needs a seed"):
+        with _backends.named("reference"):
+            ops.attention_forward(q, q, q, None, None, False, 1.0, 0.5, None)
+    assert _backends._build.extension().exchange_named_backend(0) == 0
 
 
 def test_cpp_backend_on_cuda_tensors_only_for_its_cuda_families():

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from transformer_fast import _named_backend
 from transformer_fast._device_kernels import op_kernel
 
+from attention_cases import differentiable_attention
 from helpers import BACKENDS, assert_close_to_reference, kernel_device
 from helpers import skip_unavailable_backend  # noqa: F401 (a fixture)
 
@@ -236,7 +236,7 @@ def test_dispatcher_autograd_passes_the_offset_to_the_backward():
 
 
 def test_explicit_backend_passes_the_offset_to_the_backward():
-    """_named_backend.attention (a backend by name) takes query_offset among the extras, forward and backward."""
+    """A backend by name gets query_offset, forward and backward."""
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, 2, 9, 24) for _ in range(3))
     dout = torch.randn(1, 2, 9, 24)
@@ -244,8 +244,8 @@ def test_explicit_backend_passes_the_offset_to_the_backward():
     ref64 = reference_results(*(t.double() for t in (q, k, v, dout)), config)
     ref32 = reference_results(q, k, v, dout, config)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out = _named_backend.attention("cpp", qg, kg, vg, None, None, False, SCALE, 0.0, None,
-                                  {"window": (-1, 0), "query_offset": -3})[0]
+    out = differentiable_attention(qg, kg, vg, None, None, False, SCALE, 0.0, None, "reference", window=(-1, 0),
+                                   query_offset=-3)
     grads = torch.autograd.grad(out, (qg, kg, vg), dout)
     assert_close_to_reference(out.detach(), ref64[0], ref32[0], what="out")
     for name, g, r64, r32 in zip(("dq", "dk", "dv"), grads, ref64[2:5], ref32[2:5]):

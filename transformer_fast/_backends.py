@@ -10,12 +10,14 @@ Backends:
 Normally torch's dispatcher chooses, by device: the op's CPU kernel is C++; its CUDA kernel is
 Triton where Triton loads, else the C++ CUDA kernel (attention) or plain torch; any other device
 runs plain torch (``register_device_kernels``). ``backend=`` and ``TRANSFORMER_FAST_BACKEND``
-override that for tests and debugging: ``explicit_backend`` says when a call must leave the
-dispatcher for another backend (``_named_backend.py``). float64 always takes the plain-torch
-backend: the compiled kernels are fp32/bf16/fp16.
+override that for tests and debugging: ``explicit_backend`` says when a call must run another
+backend than the dispatcher's, and ``named`` runs the ops with it, below their autograd node
+(csrc/ops/named_backend.h). float64 always takes the plain-torch backend: the compiled kernels
+are fp32/bf16/fp16.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -164,6 +166,29 @@ def explicit_backend(backend: str, device: torch.device, dtype: torch.dtype, fam
     if reason is not None:
         raise RuntimeError(f"backend {backend!r} is unavailable for {dtype} {device.type} tensors: {reason}")
     return None if backend == dispatcher_backend(device.type, family) else backend
+
+
+class _Named:
+    """The context of ``named``: the calling thread's named backend set, and restored on exit."""
+    __slots__ = ("code", "previous")
+
+    def __init__(self, code):
+        self.code = code
+
+    def __enter__(self):
+        self.previous = _build.extension().exchange_named_backend(self.code)
+
+    def __exit__(self, *exc):
+        _build.extension().exchange_named_backend(self.previous)
+
+
+_DISPATCHER = contextlib.nullcontext()
+
+
+def named(backend: str | None):
+    """A context in which the kernel ops run ``backend``'s kernels (None: the dispatcher's, and no
+    context at all, which torch.compile traces through)."""
+    return _DISPATCHER if backend is None else _Named(1 + BACKENDS.index(backend))
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, requested: str | None = "auto",

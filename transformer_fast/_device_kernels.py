@@ -9,6 +9,8 @@ answered without a launch, results a call does not produce as empty tensors (nev
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _backends, _build, _native_calls
@@ -148,9 +150,16 @@ _CONTRACT = {
 OPS = tuple(_CONTRACT)
 
 
+@functools.lru_cache(maxsize=None)
 def op_kernel(name: str, backend: str, device_type: str = "cpu"):
     """``backend``'s kernel-level function ``name`` with the op's contract (see the module doc)."""
     return _CONTRACT[name](_backends.kernel(name, backend, device_type))
+
+
+def run_named(name: str, code: int, *args):
+    """The kernel op ``name`` run by a backend chosen by name (``_backends.named``): called by
+    its BackendSelect kernel (csrc/ops/named_backend.h) with the op's arguments."""
+    return op_kernel(name, _backends.BACKENDS[code - 1], args[0].device.type)(*args)
 
 
 def _on_device_of_first_tensor(kernel):
@@ -174,6 +183,7 @@ def register():
     global _library
     if _library is not None:
         return
+    _build.extension().set_named_kernel_runner(run_named)
     _library = torch.library.Library("transformer_fast", "IMPL")
     for name in OPS:
         _library.impl(name, op_kernel(name, "reference"), "CompositeExplicitAutograd")

@@ -80,7 +80,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _backends, _build, _named_backend
+from . import _backends, _build, _transforms
 from ._fast_path import direct, dynamo_compiling
 from ._plain_torch import dmask_dtype
 from ._result_layout import empty_in_rows_of
@@ -122,14 +122,6 @@ def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dr
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def _dropout_seed(dropout_p):
-    """The explicit backends' dropout seed, drawn as the public ops draw theirs
-    (csrc/ops/attention_args.cpp, call_seed): a one-element int64 CPU tensor; None without dropout."""
-    if dropout_p == 0.0:
-        return None
-    return torch.randint(2**62, (), dtype=torch.int64)
-
-
 def _check_scale(scale):
     return real_scalar("scale", scale)
 
@@ -209,19 +201,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     check_tensors(query=query, key=key, value=value)
     check_optional_tensors(attn_mask=attn_mask, key_padding_mask=key_padding_mask, alibi_slopes=alibi_slopes,
                            sinks=sinks)
-    transformed = _named_backend.differentiable_forms_needed()
-    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
-    if explicit is None and not transformed:
+    if _transforms.active():
+        return _transforms.scaled_dot_product_attention(query, key, value, attn_mask, float(dropout_p), is_causal,
+                                                        scale, enable_gqa, key_padding_mask, window_size, softcap,
+                                                        alibi_slopes, sinks)
+    with _backends.named(_backends.explicit_backend(backend, query.device, query.dtype, "attention")):
         return torch.ops.transformer_fast.scaled_dot_product_attention(
             query, key, value, attn_mask, float(dropout_p), is_causal, scale=scale, enable_gqa=enable_gqa,
             key_padding_mask=key_padding_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
             sinks=sinks)
-    q, k, v, attn_mask, key_padding_mask, scale, unbatched, extras = _C.attention_args(
-        query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa, key_padding_mask,
-        window_size, softcap, alibi_slopes, sinks)
-    out = _named_backend.attention(explicit, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                                  float(dropout_p), _dropout_seed(dropout_p), extras)[0]
-    return out[0] if unbatched else out
 
 
 class AuxRequest(NamedTuple):
@@ -298,17 +286,11 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 def _varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, window_size, enable_gqa,
                  seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, dropout_p, backend):
-    transformed = _named_backend.differentiable_forms_needed()
-    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype, "attention")
-    if explicit is None and not transformed:
-        args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, list(window_size),
-                enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p),
-                None)
-        if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
-            return _C.varlen_attn(*args)
+    args = (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_lse, scale, list(window_size), enable_gqa,
+            seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p), None)
+    if _transforms.active():
+        return _transforms.varlen_attn(*args[:-1])
+    if backend == "auto" and not dynamo_compiling() and direct(3, query, key, value):
+        return _C.varlen_attn(*args)
+    with _backends.named(_backends.explicit_backend(backend, query.device, query.dtype, "attention")):
         return torch.ops.transformer_fast.varlen_attn(*args)
-    q, k, v, _, _, scale, _, extras = _C.varlen_args(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, list(window_size),
-        enable_gqa, seqused_k, block_table, num_splits, softcap, alibi_slopes, sinks, float(dropout_p))
-    return _named_backend.attention(explicit, q, k, v, None, None, False, scale, float(dropout_p),
-                                   _dropout_seed(dropout_p), extras)

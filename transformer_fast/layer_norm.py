@@ -22,7 +22,7 @@ import numbers
 
 import torch
 
-from . import _backends, _build, _named_backend
+from . import _backends, _build, _transforms
 from ._backends import KERNEL_DTYPES
 from ._fast_path import direct, dynamo_compiling
 from ._validation import check_optional_tensors, check_tensors, real_scalar
@@ -81,19 +81,11 @@ def _normalize(x, normalized_shape, weight, bias, eps, residual, is_rms, backend
     check_optional_tensors(weight=weight, bias=bias, residual=residual)
     # the residual add promotes (x + r): the kernels run in the promoted dtype
     dtype = x.dtype if not isinstance(residual, torch.Tensor) else torch.promote_types(x.dtype, residual.dtype)
-    transformed = _named_backend.differentiable_forms_needed()
-    explicit = None if transformed else _backends.explicit_backend(backend, x.device, dtype, "layer_norm")
-    if explicit is None and not transformed:
+    if _transforms.active():
+        return _transforms.layer_norm(x, list(normalized_shape), weight, bias, eps, residual, is_rms)
+    with _backends.named(_backends.explicit_backend(backend, x.device, dtype, "layer_norm")):
         y, h = torch.ops.transformer_fast.layer_norm(x, list(normalized_shape), weight, bias, eps, residual, is_rms)
-        return y if residual is None else (y, h)
-    x_last, residual_last, weight, bias, eps, rows_empty = _C.layer_norm_args(
-        x, list(normalized_shape), weight, bias, eps, residual, is_rms)
-    if rows_empty:  # rows of no elements: empty outputs, as torch.nn.functional.layer_norm gives
-        h = x_last if residual_last is None else x_last + residual_last
-        return h.clone() if residual is None else (h.clone(), h)
-    y, h = _named_backend.layer_norm(explicit, x_last, residual_last, weight, bias, eps, is_rms)
-    y = y.view(x.shape)
-    return y if residual is None else (y, h.view(x.shape))
+    return y if residual is None else (y, h)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, backend="auto"):

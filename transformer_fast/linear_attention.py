@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _backends, _build, _named_backend
+from . import _backends, _build, _transforms
 from ._fast_path import direct, dynamo_compiling
 from ._validation import check_bools, check_tensor, check_tensors, real_scalar
 
@@ -119,16 +119,12 @@ def _linear_attention(query, key, value, is_causal, key_padding_mask, eps, S0, z
     for name, t in (("key_padding_mask", key_padding_mask), ("initial_state.S", S0), ("initial_state.z", z0)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    transformed = _named_backend.differentiable_forms_needed()
-    explicit = None if transformed else _backends.explicit_backend(backend, query.device, query.dtype,
-                                                                   "linear_attention")
-    if explicit is None and not transformed:
+    if _transforms.active():
+        return _transforms.linear_attention(query, key, value, is_causal, key_padding_mask, float(eps), S0, z0,
+                                            output_final_state)
+    with _backends.named(_backends.explicit_backend(backend, query.device, query.dtype, "linear_attention")):
         return torch.ops.transformer_fast.linear_attention(query, key, value, is_causal, key_padding_mask,
                                                            float(eps), S0, z0, output_final_state)
-    q, k, v, key_padding_mask, S0, z0 = _C.linear_attention_args(query, key, value, is_causal, key_padding_mask,
-                                                                 float(eps), S0, z0)
-    return _named_backend.linear_attention(explicit, q, k, v, key_padding_mask, is_causal, float(eps), S0, z0,
-                                          output_final_state)
 
 
 def linear_attention_step(query, key, value, state=None, *, eps=1e-6):

@@ -3,6 +3,7 @@
 // autocast kernels of both kernel ops. The public ops' checks are in attention_args.cpp.
 #include "ops/attention_ops.h"
 #include "ops/autograd_node.h"
+#include "ops/named_backend.h"
 #include "ops/op_utils.h"
 
 #include <array>
@@ -26,8 +27,6 @@ TRANSFORMER_FAST_OP(attention_forward, AttentionForwardSig)
 TRANSFORMER_FAST_OP(attention_backward, AttentionBackwardSig)
 TRANSFORMER_FAST_OP(attention_backward_composite, AttentionBackwardCompositeSig)
 
-namespace {
-
 // d loss / d sinks[h] = -sum over the rows of head h of P_sink * delta, with P_sink = exp(sinks[h] -
 // lse) each row's sink probability and delta = sum_j P_ij dP_ij: the sink takes probability from
 // every key in proportion, and has no value. delta is the backward op's (compute_delta), summed from
@@ -40,6 +39,8 @@ at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const 
   const at::Tensor weighted = at::where(sink == lse, delta, at::exp(sink - lse) * delta);
   return packed ? -weighted.sum(1) : -weighted.sum(at::IntArrayRef{0, 2});
 }
+
+namespace {
 
 // The autograd node of attention_forward: its backward is the attention_backward op, with the score
 // gradient dS (the float mask's gradient) computed only when attn_mask needs a gradient, and the
@@ -66,6 +67,7 @@ struct AttentionBackward : public torch::autograd::Node {
     const bool sinks_grad = sinks.has_value() && task_should_compute_output(4);
     torch::autograd::variable_list result(5);
     if (!grads[0].defined()) return result;
+    const NamedBackendGuard named(backend);
     const at::Tensor& dout = grads[0];
     at::Tensor dmask, dsinks;
     if (at::GradMode::is_enabled()) {  // create_graph=True: a second derivative will be taken
@@ -94,6 +96,7 @@ struct AttentionBackward : public torch::autograd::Node {
   OptTensor seed;  // a CPU scalar (op_utils.h, dropout_seed), None without dropout
   int64_t max_q = 0, max_k = 0, query_offset = 0;
   std::array<int64_t, 2> window{-1, -1};
+  int8_t backend = named_backend();  // the forward's (named_backend.h)
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
@@ -205,6 +208,11 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
   m.impl("attention_backward", &attention_backward_autograd);
   m.impl("attention_forward", &attention_forward_autograd);
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast, BackendSelect, m) {
+  m.impl("attention_forward", TORCH_FN(BackendChoice<AttentionForwardSig>::kernel<&attention_forward_op>));
+  m.impl("attention_backward", TORCH_FN(BackendChoice<AttentionBackwardSig>::kernel<&attention_backward_op>));
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, AutocastCPU, m) {

@@ -111,6 +111,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attn(
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
     std::optional<int64_t> num_splits, std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& sinks, double dropout_p, const std::optional<at::Tensor>& seed);
+// d loss / d sinks from the backward op's delta (attention_op.cpp); lse-shaped rows, packed or dense.
+at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks, bool packed);
 // The attention_forward op on checked arguments (through the dispatcher: autograd, autocast, device).
 std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a, bool is_causal, double dropout_p,
                                                           const std::optional<at::Tensor>& seed);

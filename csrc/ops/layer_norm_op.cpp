@@ -2,6 +2,7 @@
 // layer_norm_forward (its backward is the layer_norm_backward op) and the autocast kernels.
 #include "ops/autograd_node.h"
 #include "ops/layer_norm_ops.h"
+#include "ops/named_backend.h"
 #include "ops/op_utils.h"
 
 #include <cmath>
@@ -61,6 +62,7 @@ struct LayerNormBackward : public torch::autograd::Node {
     const bool has_dh = has_residual && grads[1].defined();
     torch::autograd::variable_list result(4);
     if (!grads[0].defined() && !has_dh) return result;
+    const NamedBackendGuard named(backend);
     const at::Tensor dy = with_unit_last_stride(grads[0].defined() ? grads[0] : at::zeros_like(h));
     at::Tensor dx, dweight, dbias;
     if (at::GradMode::is_enabled()) {  // create_graph=True: a second derivative will be taken
@@ -83,6 +85,7 @@ struct LayerNormBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable h_, weight_, bias_, mean_, rstd_;
   double eps = 0.0;
   bool is_rms = false, has_residual = false;
+  int8_t backend = named_backend();  // the forward's (named_backend.h)
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_autograd(
@@ -226,6 +229,11 @@ TORCH_LIBRARY_IMPL(transformer_fast, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);
   m.impl("layer_norm_forward", &layer_norm_forward_autograd);
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast, BackendSelect, m) {
+  m.impl("layer_norm_forward", TORCH_FN(BackendChoice<LayerNormForwardSig>::kernel<&layer_norm_forward_op>));
+  m.impl("layer_norm_backward", TORCH_FN(BackendChoice<LayerNormBackwardSig>::kernel<&layer_norm_backward_op>));
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, AutocastCPU, m) {

@@ -1,6 +1,7 @@
 // Linear attention's dispatcher layer: the public op's argument checks, the autograd formula of
 // linear_attention_forward (its backward is the linear_attention_backward op) and the autocast kernels.
 #include "ops/linear_attention_ops.h"
+#include "ops/named_backend.h"
 #include "ops/op_utils.h"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -96,6 +97,7 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
                             initial_z.value_or(at::Tensor())});
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["backend"] = static_cast<int64_t>(named_backend());  // named_backend.h
     if (!output_final_state) ctx->mark_non_differentiable({S, z});
     ctx->set_materialize_grads(false);  // no zero tensors for outputs that get no gradient
     return {out, S, z};
@@ -108,6 +110,7 @@ class LinearAttentionFunction : public torch::autograd::Function<LinearAttention
     const at::Tensor &q = saved[0], &v = saved[2];
     const bool is_causal = ctx->saved_data["is_causal"].toBool();
     const double eps = ctx->saved_data["eps"].toDouble();
+    const NamedBackendGuard named(static_cast<int8_t>(ctx->saved_data["backend"].toInt()));
     // A loss on the final state alone leaves the output without a gradient.
     const at::Tensor dout =
         grads[0].defined()
@@ -194,6 +197,13 @@ TORCH_LIBRARY_IMPL(transformer_fast, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
   m.impl("linear_attention_backward", &linear_attention_backward_autograd);
   m.impl("linear_attention_forward", &linear_attention_forward_autograd);
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast, BackendSelect, m) {
+  m.impl("linear_attention_forward",
+         TORCH_FN(BackendChoice<LinearAttentionForwardSig>::kernel<&linear_attention_forward_op>));
+  m.impl("linear_attention_backward",
+         TORCH_FN(BackendChoice<LinearAttentionBackwardSig>::kernel<&linear_attention_backward_op>));
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, AutocastCPU, m) {

@@ -1,7 +1,8 @@
 // The schemas of every transformer_fast op, in one place. Each op's kernels are registered beside
 // their code: CPU in csrc/cpu/<family>.cpp, CUDA in csrc/cuda/attention_cuda.cu (C++) or from Python
-// (Triton; as native calls, csrc/launch/native_calls.cpp), autograd and autocast in
-// csrc/ops/<family>_op.cpp, fake (meta) implementations in transformer_fast/<family>.py.
+// (Triton; as native calls, csrc/launch/native_calls.cpp), autograd, autocast and BackendSelect (a
+// backend chosen by name, ops/named_backend.h) in csrc/ops/<family>_op.cpp, fake (meta)
+// implementations in transformer_fast/<family>.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(transformer_fast, m) {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _backends, _named_backend
+from .. import _backends, _build
 from .plan import _chunk_seed, _count, _kernels, _offset_kw, _slopes, _stats_dtype
 from .sequence import chunk_count, global_order
 
@@ -97,7 +97,7 @@ class AllGatherAttention(torch.autograd.Function):
             dkv[:, :, k0:k1, :D] += dk_c
             dkv[:, :, k0:k1, D:] += dv_c
             if want_dsinks:
-                part = _named_backend.sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
+                part = _build.extension().sinks_gradient(delta, lse[:, :, rows], sink_arg, False)
                 dsinks = part if dsinks is None else dsinks + part
         mine = _scatter_sum(plan, dkv, ("all_gather", "backward", "dK/dV"))
         return (dq, mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype),
@@ -169,8 +169,8 @@ def ulysses(q, k, v, group, layout, is_causal, scale, window, softcap, alibi_slo
         extras["alibi_slopes"] = _slopes(alibi_slopes, q.shape[0], H, stats)[:, heads]
     if sinks is not None:
         extras["sinks"] = sinks[heads] if sinks.dtype == stats else sinks.to(stats)[heads]
-    backend = _backends.select_backend(q.device, q.dtype, "auto", "attention")
-    out, lse = _named_backend.attention(backend, qh, kh, vh, None, None, is_causal, scale, dropout_p,
-                                        _chunk_seed(seed, rank), extras)
+    with _backends.named(_backends.explicit_backend("auto", q.device, q.dtype, "attention")):
+        out, lse = torch.ops.transformer_fast.attention_forward(qh, kh, vh, None, None, is_causal, scale, dropout_p,
+                                                                _chunk_seed(seed, rank), **extras)
     lse_seq = _heads_to_seq(lse.detach().unsqueeze(-1), group, layout).squeeze(-1) if return_lse else None
     return _HeadsToSeq.apply(out, group, layout), lse_seq

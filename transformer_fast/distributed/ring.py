@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import _named_backend
+from .. import _build
 from .plan import _count, _kernels, _offset_kw, _peer, _stats_dtype
 
 _ROW_TILE = 256  # query rows per tile of the ring's torch backward, at most
@@ -166,7 +166,7 @@ class RingAttention(torch.autograd.Function):
         dkv = grads_in[0]   # gloo's send work hangs on a second wait)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = _named_backend.sinks_gradient(delta, lse, sinks.to(stats), False).to(sinks.dtype)
+            dsinks = _build.extension().sinks_gradient(delta, lse, sinks.to(stats), False).to(sinks.dtype)
         return dq.to(q.dtype), dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype), dsinks, None
 
 

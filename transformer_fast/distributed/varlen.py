@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _named_backend
+from .. import _build
 from .plan import _DTYPES, _agree, _check_local, _chunk_seed, _count, _group, _kernels, _slopes, _stats_dtype
 from .sequence import packed_rows
 
@@ -166,5 +166,5 @@ class _PackedAttention(torch.autograd.Function):
         whole = torch.zeros(int(plan.ck[-1]), k.shape[1], D + v.shape[-1], dtype=stats, device=k.device)
         whole.index_add_(0, plan.key_rows, torch.cat([dk, dv], dim=-1).to(stats))
         mine = _scatter_packed(plan, whole, ("varlen", "backward", "dK/dV"))
-        dsinks = _named_backend.sinks_gradient(delta, lse, sink_arg, True).to(sinks.dtype) if want_dsinks else None
+        dsinks = _build.extension().sinks_gradient(delta, lse, sink_arg, True).to(sinks.dtype) if want_dsinks else None
         return dq, mine[..., :D].to(k.dtype), mine[..., D:].to(v.dtype), dsinks, None
