@@ -211,7 +211,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask, a.initial_S, a.initial_z);
   });
 
-  def_attention_kernels(m, "", &tf::attention_forward, &tf::attention_backward);
+  def_attention_kernels(m, "", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward>,
+                        &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward>);
   m.def("launch_plan_signature", &tf::launch_plan_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   tf::bind_packed_launch(m);
@@ -221,7 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_attention_forward", &tf::linear_attention_forward);
   m.def("linear_attention_backward", &tf::linear_attention_backward);
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
-  def_attention_kernels(m, "_cuda", &tf::attention_forward_cuda, &tf::attention_backward_cuda);
+  def_attention_kernels(m, "_cuda", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward_cuda>,
+                        &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward_cuda>);
   m.def("register_cuda_kernels", &tf::register_cuda_kernels);
 #endif
   // Whether the CPU kernels' bf16/fp16 tile products use the CPU's own (cpu/cpu_blas.h), for tests.

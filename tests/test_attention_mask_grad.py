@@ -178,7 +178,7 @@ def test_mask_gradient_with_dropout(backend, dtype):
                                                enable_gqa=True, key_padding_mask=pad, backend=backend)
 
     torch.manual_seed(seed)
-    drawn = tf.attention._dropout_seed(p)
+    drawn = torch.randint(2**62, (), dtype=torch.int64)  # as the public op draws it (attention_args.cpp, call_seed)
     keep, allowed = _keep_mask(backend, B, H, Hk, Nq, Nk, pad, is_causal, D ** -0.5, p, drawn)
     assert abs(keep[allowed].float().mean().item() - (1 - p)) < 0.07
 

@@ -356,18 +356,12 @@ void attention_bwd_kernel(const Problem& p, const at::Tensor& dout, const at::Te
 // through the kernel: D = 0 leaves dq and dk empty; Dv = 0 makes dP = dO V^T = 0, so dS, dq and dk
 // are 0. Packed key rows after the last sequence belong to none: their gradients are 0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed,
-    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
+    const AttentionBackwardCall& c) {
   const char* fn = "attention_backward";
-  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k,
-                                        std::nullopt, std::nullopt, max_q, max_k, 0, query_offset);
-  const CpuProblem cp = cpu_problem(fn, q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                    seed, x);
+  const at::Tensor &dout_in = c.dout, &q_in = c.q, &k_in = c.k, &v_in = c.v, &out_in = c.out, &lse_in = c.lse;
+  const bool compute_dmask = c.compute_dmask, compute_delta = c.compute_delta;
+  const CpuProblem cp = cpu_problem(fn, c.q, c.k, c.v, c.attn_mask, c.key_padding_mask, c.is_causal, c.scale,
+                                    c.dropout_p, c.seed, c.extras());
   const Problem& p = cp.p;
   check_shape(fn, "dout", dout_in, cp.out_sizes(p.Dv));
   check_shape(fn, "out", out_in, cp.out_sizes(p.Dv));
@@ -410,24 +404,15 @@ namespace {
 // The attention_backward op's kernel for this device: attention_backward with the results a call does not
 // produce as empty tensors (an op cannot return None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu_kernel(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed,
-    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
-  auto [dq, dk, dv, dmask, delta] = attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
-                                                       is_causal, scale, dropout_p, seed, compute_dmask, window,
-                                                       softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                       compute_delta, sinks, query_offset);
-  return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
+    const AttentionBackwardCall& c) {
+  auto [dq, dk, dv, dmask, delta] = attention_backward(c);
+  return {dq, dk, dv, or_empty(dmask, c.q), or_empty(delta, c.q)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
-  m.impl("attention_backward", &attention_backward_cpu_kernel);
+  m.impl("attention_backward", TORCH_FN(CallKernel<AttentionBackwardCall>::of<&attention_backward_cpu_kernel>));
 }
 
 }  // namespace transformer_fast

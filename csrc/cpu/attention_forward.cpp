@@ -261,19 +261,10 @@ void attention_fwd_kernel(const Problem& p, const at::Tensor& q, const at::Tenso
 }  // namespace
 }  // namespace cpu_attention
 
-std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
-    int64_t query_offset) {
-  const AttentionExtras x = make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k,
-                                        block_table, max_q, max_k, num_splits, query_offset);
-  CpuProblem cp = cpu_problem("attention_forward", q_in, k_in, v_in, attn_mask, key_padding_mask, is_causal, scale,
-                              dropout_p, seed, x);
+std::tuple<at::Tensor, at::Tensor> attention_forward(const AttentionForwardCall& c) {
+  const at::Tensor& q_in = c.q;
+  CpuProblem cp = cpu_problem("attention_forward", c.q, c.k, c.v, c.attn_mask, c.key_padding_mask, c.is_causal,
+                              c.scale, c.dropout_p, c.seed, c.extras());
   const Problem& p = cp.p;
   at::Tensor out = new_output_in_rows_of(q_in, p.Dv, cp.q.options());
   at::Tensor lse = new_output(cp.lse_sizes(), cp.q.options().dtype(at::kFloat));
@@ -296,7 +287,7 @@ bool native_lowp_products(at::ScalarType dtype) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, CPU, m) {
-  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_forward", TORCH_FN(CallKernel<AttentionForwardCall>::of<&attention_forward>));
 }
 
 }  // namespace transformer_fast

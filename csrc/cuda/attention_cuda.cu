@@ -73,41 +73,26 @@ static void check_dense_only(const AttentionExtras& x, const char* fn) {
                               "sequences; install Triton to run them on CUDA tensors");
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
-    int64_t query_offset) {
-  check_dense_only(make_extras(window, softcap, alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table,
-                               max_q, max_k, num_splits, query_offset),
-                   "attention_forward");
-  return attention_forward_entry(c10::DeviceType::CUDA, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                                 dropout_p, dropout_seed("attention_forward", seed, dropout_p),
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const AttentionForwardCall& c) {
+  check_dense_only(c.extras(), "attention_forward");
+  return attention_forward_entry(c10::DeviceType::CUDA, c.q, c.k, c.v, c.attn_mask, c.key_padding_mask, c.is_causal,
+                                 c.scale, c.dropout_p, dropout_seed("attention_forward", c.seed, c.dropout_p),
                                  attention_fwd_cuda);
 }
 
 // compute_delta and sinks serve attention sinks, which these kernels do not take (the forward refuses them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed,
-    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
-  check_dense_only(make_extras(window, softcap, alibi_slopes, std::nullopt, cu_seq_q, cu_seq_k, std::nullopt,
-                               std::nullopt, max_q, max_k, 0, query_offset),
-                   "attention_backward");
-  TORCH_CHECK_NOT_IMPLEMENTED(!compute_delta, "attention_backward: the C++ CUDA kernels do not compute delta (it "
+    const AttentionBackwardCall& c) {
+  AttentionExtras x = c.extras();
+  x.sinks.reset();  // the forward's, which it refused: the backward only reads them to rescale rows
+  check_dense_only(x, "attention_backward");
+  TORCH_CHECK_NOT_IMPLEMENTED(!c.compute_delta, "attention_backward: the C++ CUDA kernels do not compute delta (it "
                               "serves attention sinks, which need the Triton kernels: install Triton)");
-  auto [dq, dk, dv, dmask] = attention_backward_entry(c10::DeviceType::CUDA, dout, q, k, v, out, lse, attn_mask,
-                                                      key_padding_mask, is_causal, scale, dropout_p,
-                                                      dropout_seed("attention_backward", seed, dropout_p),
-                                                      compute_dmask, attention_bwd_cuda);
+  auto [dq, dk, dv, dmask] = attention_backward_entry(c10::DeviceType::CUDA, c.dout, c.q, c.k, c.v, c.out, c.lse,
+                                                      c.attn_mask, c.key_padding_mask, c.is_causal, c.scale,
+                                                      c.dropout_p, dropout_seed("attention_backward", c.seed,
+                                                                                c.dropout_p),
+                                                      c.compute_dmask, attention_bwd_cuda);
   return {dq, dk, dv, dmask, at::Tensor()};
 }
 
@@ -116,18 +101,9 @@ namespace {
 // The attention_backward op's kernel for this device: attention_backward_cuda with the results a call does not
 // produce as empty tensors (an op cannot return None).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda_kernel(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed,
-    bool compute_dmask, at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset) {
-  auto [dq, dk, dv, dmask, delta] = attention_backward_cuda(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
-                                                            is_causal, scale, dropout_p, seed, compute_dmask, window,
-                                                            softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                            compute_delta, sinks, query_offset);
-  return {dq, dk, dv, or_empty(dmask, q), or_empty(delta, q)};
+    const AttentionBackwardCall& c) {
+  auto [dq, dk, dv, dmask, delta] = attention_backward_cuda(c);
+  return {dq, dk, dv, or_empty(dmask, c.q), or_empty(delta, c.q)};
 }
 
 }  // namespace
@@ -138,8 +114,9 @@ void register_cuda_kernels() {
   static torch::Library library(torch::Library::IMPL, "transformer_fast", c10::DispatchKey::CUDA, __FILE__,
                                 __LINE__);
   static const bool registered = [] {
-    library.impl("attention_forward", &attention_forward_cuda);
-    library.impl("attention_backward", &attention_backward_cuda_kernel);
+    library.impl("attention_forward", TORCH_FN(CallKernel<AttentionForwardCall>::of<&attention_forward_cuda>));
+    library.impl("attention_backward",
+                 TORCH_FN(CallKernel<AttentionBackwardCall>::of<&attention_backward_cuda_kernel>));
     return true;
   }();
   (void)registered;

@@ -10,15 +10,8 @@
 
 namespace transformer_fast {
 
-using OptTensor = std::optional<at::Tensor>;
-using AttentionForwardSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, bool, double, double,
-    const OptTensor&, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t, int64_t);
-using AttentionBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const OptTensor&, const OptTensor&, bool, double, double, const OptTensor&, bool, at::IntArrayRef, double,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, bool, const OptTensor&, int64_t);
+using AttentionForwardSig = AttentionForwardCall::Signature;
+using AttentionBackwardSig = AttentionBackwardCall::Signature;
 using AttentionBackwardCompositeSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
     bool, double, at::IntArrayRef, double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
@@ -99,49 +92,41 @@ struct AttentionBackward : public torch::autograd::Node {
   int8_t backend = named_backend();  // the forward's (named_backend.h)
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& attn_mask,
-    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
-    at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
-    int64_t max_q, int64_t max_k, int64_t num_splits, int64_t query_offset) {
-  const bool record = requires_grad(q, k, v, attn_mask, sinks);
-  TORCH_CHECK_NOT_IMPLEMENTED(!record || (!seqused_k.has_value() && !block_table.has_value()),
+std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(const AttentionForwardCall& c) {
+  const bool record = requires_grad(c.q, c.k, c.v, c.attn_mask, c.sinks);
+  TORCH_CHECK_NOT_IMPLEMENTED(!record || (!c.seqused_k.has_value() && !c.block_table.has_value()),
                               "varlen_attn: seqused_k and block_table are inference-only (no backward); call it "
                               "under torch.no_grad() or with inputs that do not require grad");
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(out, lse) = attention_forward_op().call(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                                                     dropout_p, seed, window, softcap, alibi_slopes, sinks, cu_seq_q,
-                                                     cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits,
-                                                     query_offset);
+    std::tie(out, lse) = call_op(attention_forward_op(), c);
   }
   if (!record) return {out, lse};  // nothing to record: no autograd node
-  TORCH_CHECK_VALUE(window.size() == 2, "window must have two entries, got ", window.size());
+  TORCH_CHECK_VALUE(c.window.size() == 2, "window must have two entries, got ", c.window.size());
   auto node = make_node<AttentionBackward>();
-  node->set_next_edges(torch::autograd::collect_next_edges(q, k, v, attn_mask, sinks));
+  node->set_next_edges(torch::autograd::collect_next_edges(c.q, c.k, c.v, c.attn_mask, c.sinks));
   torch::autograd::set_history(out, node);
-  node->q_ = torch::autograd::SavedVariable(q, false);
-  node->k_ = torch::autograd::SavedVariable(k, false);
-  node->v_ = torch::autograd::SavedVariable(v, false);
+  node->q_ = torch::autograd::SavedVariable(c.q, false);
+  node->k_ = torch::autograd::SavedVariable(c.k, false);
+  node->v_ = torch::autograd::SavedVariable(c.v, false);
   node->out_ = torch::autograd::SavedVariable(out, true);
   node->lse_ = torch::autograd::SavedVariable(lse, false);
-  node->attn_mask_ = saved(attn_mask);
-  node->key_padding_mask_ = saved(key_padding_mask);
-  node->alibi_slopes_ = saved(alibi_slopes);
-  node->sinks_ = saved(sinks);
-  node->cu_seq_q_ = saved(cu_seq_q);
-  node->cu_seq_k_ = saved(cu_seq_k);
-  node->is_causal = is_causal;
-  node->scale = scale;
-  node->dropout_p = dropout_p;
-  node->softcap = softcap;
-  node->seed = seed;
-  node->max_q = max_q;
-  node->max_k = max_k;
-  node->query_offset = query_offset;
-  node->window = {window[0], window[1]};
+  node->attn_mask_ = saved(c.attn_mask);
+  node->key_padding_mask_ = saved(c.key_padding_mask);
+  node->alibi_slopes_ = saved(c.alibi_slopes);
+  node->sinks_ = saved(c.sinks);
+  node->cu_seq_q_ = saved(c.cu_seq_q);
+  node->cu_seq_k_ = saved(c.cu_seq_k);
+  node->is_causal = c.is_causal;
+  node->scale = c.scale;
+  node->dropout_p = c.dropout_p;
+  node->softcap = c.softcap;
+  node->seed = c.seed;
+  node->max_q = c.max_q;
+  node->max_k = c.max_k;
+  node->query_offset = c.query_offset;
+  node->window = {c.window[0], c.window[1]};
   return {out, lse};
 }
 
@@ -149,49 +134,32 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_autograd(
 // floating inputs as torch's SDPA does (the float32 ALiBi slopes and sinks stay float32), then run
 // with autocast off.
 template <c10::DeviceType device>
-std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& attn_mask,
-    const OptTensor& key_padding_mask, bool is_causal, double scale, double dropout_p, const OptTensor& seed,
-    at::IntArrayRef window, double softcap, const OptTensor& alibi_slopes, const OptTensor& sinks,
-    const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, const OptTensor& seqused_k, const OptTensor& block_table,
-    int64_t max_q, int64_t max_k, int64_t num_splits, int64_t query_offset) {
+std::tuple<at::Tensor, at::Tensor> attention_forward_autocast(const AttentionForwardCall& c) {
   const auto no_autocast = autocast_off();
-  const auto cast = at::autocast::get_autocast_dtype(device);
-  return attention_forward_op().call(autocast_arg(cast, q, device), autocast_arg(cast, k, device),
-                                     autocast_arg(cast, v, device), autocast_arg(cast, attn_mask, device),
-                                     key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
-                                     alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
-                                     num_splits, query_offset);
+  const auto dtype = at::autocast::get_autocast_dtype(device);
+  const auto cast = [&](const auto& t) { return autocast_arg(dtype, t, device); };
+  return c.forward([&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& attn_mask,
+                       const auto&... rest) {
+    return attention_forward_op().call(cast(q), cast(k), cast(v), cast(attn_mask), rest...);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autocast(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
-    const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const OptTensor& sinks, int64_t query_offset) {
+    const AttentionBackwardCall& c) {
   const auto no_autocast = autocast_off();
-  return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                                      dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset);
+  return call_op(attention_backward_op(), c);
 }
 
 // The backward op is never differentiated itself (second derivatives go through
 // attention_backward_composite): its autograd kernel steps below autograd, and refuses inputs that would
 // need a graph rather than return a result without one.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_autograd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const OptTensor& attn_mask, const OptTensor& key_padding_mask, bool is_causal,
-    double scale, double dropout_p, const OptTensor& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
-    const OptTensor& alibi_slopes, const OptTensor& cu_seq_q, const OptTensor& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const OptTensor& sinks, int64_t query_offset) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(dout, q, k, v, attn_mask),
+    const AttentionBackwardCall& c) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!requires_grad(c.dout, c.q, c.k, c.v, c.attn_mask),
                               "transformer_fast::attention_backward is not differentiable; differentiate the "
                               "forward op with create_graph=True instead");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return attention_backward_op().call(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                                      dropout_p, seed, compute_dmask, window, softcap, alibi_slopes, cu_seq_q,
-                                      cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset);
+  return call_op(attention_backward_op(), c);
 }
 
 }  // namespace
@@ -206,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> call_attention_forward(const AttentionArgs& a
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, Autograd, m) {
-  m.impl("attention_backward", &attention_backward_autograd);
-  m.impl("attention_forward", &attention_forward_autograd);
+  m.impl("attention_backward", TORCH_FN(CallKernel<AttentionBackwardCall>::of<&attention_backward_autograd>));
+  m.impl("attention_forward", TORCH_FN(CallKernel<AttentionForwardCall>::of<&attention_forward_autograd>));
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, BackendSelect, m) {
@@ -216,13 +184,15 @@ TORCH_LIBRARY_IMPL(transformer_fast, BackendSelect, m) {
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, AutocastCPU, m) {
-  m.impl("attention_forward", &attention_forward_autocast<c10::DeviceType::CPU>);
-  m.impl("attention_backward", &attention_backward_autocast);
+  m.impl("attention_forward",
+         TORCH_FN(CallKernel<AttentionForwardCall>::of<&attention_forward_autocast<c10::DeviceType::CPU>>));
+  m.impl("attention_backward", TORCH_FN(CallKernel<AttentionBackwardCall>::of<&attention_backward_autocast>));
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast, AutocastCUDA, m) {
-  m.impl("attention_forward", &attention_forward_autocast<c10::DeviceType::CUDA>);
-  m.impl("attention_backward", &attention_backward_autocast);
+  m.impl("attention_forward",
+         TORCH_FN(CallKernel<AttentionForwardCall>::of<&attention_forward_autocast<c10::DeviceType::CUDA>>));
+  m.impl("attention_backward", TORCH_FN(CallKernel<AttentionBackwardCall>::of<&attention_backward_autocast>));
 }
 
 }  // namespace transformer_fast

@@ -3,6 +3,7 @@
 // in transformer_fast/attention.py, and the public ops with their argument checks (attention_args.cpp).
 #pragma once
 
+#include "ops/attention_call.h"
 #include "ops/attention_extras.h"
 #include "ops/new_tensors.h"
 
@@ -17,29 +18,14 @@
 namespace transformer_fast {
 
 // ---- the CPU kernels (cpu/attention_forward.cpp, cpu/attention_backward.cpp) ----
-// The arguments beyond the dense masks (window, softcap, ALiBi, sinks, packed sequences, the
-// decoding split) follow the schemas of schemas.cpp; AttentionExtras (attention_extras.h) holds them.
-std::tuple<at::Tensor, at::Tensor> attention_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, const std::optional<at::Tensor>& seed, at::IntArrayRef window,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k,
-    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table, int64_t max_q,
-    int64_t max_k, int64_t num_splits, int64_t query_offset);
+// (out, lse).
+std::tuple<at::Tensor, at::Tensor> attention_forward(const AttentionForwardCall& c);
 
 // (dq, dk, dv, dmask, delta). dmask (the score gradient dS, (B, H, Nq, Nk) in q's dtype) is an
 // undefined tensor (None) unless compute_dmask; delta (sum_j P_ij dP_ij per row, float32 in lse's
 // shape) unless compute_delta.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
-    bool is_causal, double scale, double dropout_p, const std::optional<at::Tensor>& seed, bool compute_dmask,
-    at::IntArrayRef window, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, int64_t max_q, int64_t max_k, bool compute_delta,
-    const std::optional<at::Tensor>& sinks, int64_t query_offset);
+    const AttentionBackwardCall& c);
 
 // Whether the CPU kernels multiply bf16/fp16 tiles with the CPU's own products of that dtype, not
 // in fp32 on converted copies (cpu/cpu_blas.h: native_lowp_products).
@@ -49,23 +35,9 @@ bool native_lowp_products(at::ScalarType dtype);
 // cuda/attention_cuda.cu: the CUDA kernels' entry points (the contract of attention_forward and
 // attention_backward above), and their registration for the CUDA dispatch key, made only where
 // Triton does not serve CUDA tensors (transformer_fast/_device_kernels.py).
-std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& cu_seq_q,
-    const std::optional<at::Tensor>& cu_seq_k, const std::optional<at::Tensor>& seqused_k,
-    const std::optional<at::Tensor>& block_table, int64_t max_q, int64_t max_k, int64_t num_splits,
-    int64_t query_offset);
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const AttentionForwardCall& c);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale, double dropout_p,
-    const std::optional<at::Tensor>& seed, bool compute_dmask, at::IntArrayRef window, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& cu_seq_q, const std::optional<at::Tensor>& cu_seq_k, int64_t max_q,
-    int64_t max_k, bool compute_delta, const std::optional<at::Tensor>& sinks, int64_t query_offset);
+    const AttentionBackwardCall& c);
 void register_cuda_kernels();
 #endif
 
