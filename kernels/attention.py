@@ -188,10 +188,12 @@ def _copied(copies, *tensors):
     return tuple(contiguous(t) if copy else t for t, copy in zip(tensors, copies))
 
 
-def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap, alibi_slopes,
-                  sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits, query_offset=0):
-    """attention_forward's launches for one call signature (kernels/_launch.py): the outputs' shapes
-    and the forward's (and the split combine's) LaunchPlan."""
+def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
+                  alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits,
+                  query_offset):
+    """attention_forward's launches for one call signature (kernels/_launch.py), from the call's
+    arguments (the seed's value is the launch's, not the plan's): the outputs' shapes and the
+    forward's (and the split combine's) LaunchPlan."""
     query_offset = int(query_offset)
     _check_query_offset("attention_forward", query_offset)
     copies = _copies(sinks, cu_seq_q, cu_seq_k, seqused_k, block_table)
@@ -267,13 +269,13 @@ def _forward_plan(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropou
 _forward_plans = Plans(_forward_plan)
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
-                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
-    seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
-    plan = _forward_plans.get((q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, window, softcap,
-                               alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k,
-                               num_splits, query_offset), seed_class(seed))
+def attention_forward(c):
+    """The attention_forward op on one call ``c`` (transformer_fast.attention.AttentionForwardCall:
+    the op's arguments by name): (out, lse)."""
+    seed = 0 if c.seed is None else int(c.seed)  # None, or the op's one-element int64 tensor
+    plan = _forward_plans.get(c, seed_class(seed))
+    q, k, v, attn_mask, key_padding_mask, alibi_slopes = c.q, c.k, c.v, c.attn_mask, c.key_padding_mask, c.alibi_slopes
+    sinks, cu_seq_q, cu_seq_k, seqused_k, block_table = c.sinks, c.cu_seq_q, c.cu_seq_k, c.seqused_k, c.block_table
     if plan.copies is not None:
         sinks, cu_seq_q, cu_seq_k, seqused_k, block_table = _copied(plan.copies, sinks, cu_seq_q, cu_seq_k, seqused_k,
                                                                     block_table)
@@ -339,8 +341,9 @@ def _atomic_dq_requested():
     return os.environ.get("TRANSFORMER_FAST_ATOMIC_DQ", "").strip() == "1"
 
 
-def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, compute_dmask,
-                   window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, query_offset=0):
+def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
+                   compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, sinks,
+                   query_offset):
     """attention_backward's launches for one call signature: which inputs need a contiguous copy,
     the outputs' shapes, and the LaunchPlans of the preprocess, dK/dV and dQ kernels, and of the
     dK/dV kernel accumulating dQ too (`dkdv_dq`: where requested and neither dS nor sum P dP is
@@ -401,14 +404,15 @@ def _backward_plan(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_caus
 _backward_plans = Plans(_backward_plan)
 
 
-def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
-    """sinks: unused (P follows from lse, which includes them; no row is rescaled here)."""
-    seed = 0 if seed is None else int(seed)  # None, or the op's one-element int64 tensor
-    plan = _backward_plans.get((dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                compute_dmask, window, softcap, alibi_slopes, cu_seq_q, cu_seq_k, max_q, max_k,
-                                compute_delta, query_offset), seed_class(seed))
+def attention_backward(c):
+    """The attention_backward op on one call ``c`` (transformer_fast.attention.AttentionBackwardCall):
+    (dq, dk, dv, dmask or None, delta or None). Its sinks are not read: P follows from lse, which
+    includes them, and no row is rescaled here."""
+    seed = 0 if c.seed is None else int(c.seed)  # None, or the op's one-element int64 tensor
+    plan = _backward_plans.get(c, seed_class(seed))
+    dout, q, k, v, out, lse = c.dout, c.q, c.k, c.v, c.out, c.lse
+    attn_mask, key_padding_mask, alibi_slopes, cu_seq_q, cu_seq_k = (c.attn_mask, c.key_padding_mask, c.alibi_slopes,
+                                                                     c.cu_seq_q, c.cu_seq_k)
     if plan.dout_copy:
         dout = contiguous(dout)
     if plan.lse_copy:
@@ -430,7 +434,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         dmask = new_scratch(plan.dmask_shape, plan.dmask_dtype, q.device, zero=True)
     # sum_j P_ij dP_ij per row (packed rows after the last sequence get no program: zeros)
     pdp = None
-    if compute_delta:
+    if c.compute_delta:
         pdp = new_scratch(plan.delta_shape, torch.float32, q.device, zero=True) if plan.packed else \
             new_output(plan.delta_shape, torch.float32, q.device)
     masks = (_mask_bytes(attn_mask, q), _padding_bytes(key_padding_mask, q),

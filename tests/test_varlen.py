@@ -167,17 +167,18 @@ def test_triton_op_reads_index_tensors_and_sinks_of_any_strides():
     sinks) where a view has other strides; varlen_attn passes its arguments as they come, and the
     sinks reach the op contiguous, so the op is called directly here: forward and backward."""
     need_backend("triton")
+    from transformer_fast._attention_call import AttentionBackwardCall, AttentionForwardCall
     from transformer_fast.kernels import attention as triton_attention
     q, k, v, cu_q, cu_k = make_pack([3, 0, 4], [3, 2, 4])
     sinks = torch.randn(2, device=_device())
     runs = []
     for prepare in (lambda t: t, _strided):
-        out, lse = triton_attention.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None, window=(-1, 0),
-                                                      sinks=prepare(sinks), cu_seq_q=prepare(cu_q),
-                                                      cu_seq_k=prepare(cu_k), max_q=4, max_k=4)
-        grads = triton_attention.attention_backward(torch.ones_like(out), q, k, v, out, lse, None, None, False, 0.25,
-                                                    0.0, None, False, window=(-1, 0), cu_seq_q=prepare(cu_q),
-                                                    cu_seq_k=prepare(cu_k), max_q=4, max_k=4)
+        out, lse = triton_attention.attention_forward(AttentionForwardCall(
+            q, k, v, None, None, False, 0.25, 0.0, None, window=(-1, 0), sinks=prepare(sinks), cu_seq_q=prepare(cu_q),
+            cu_seq_k=prepare(cu_k), max_q=4, max_k=4))
+        grads = triton_attention.attention_backward(AttentionBackwardCall(
+            torch.ones_like(out), q, k, v, out, lse, None, None, False, 0.25, 0.0, None, False, window=(-1, 0),
+            cu_seq_q=prepare(cu_q), cu_seq_k=prepare(cu_k), max_q=4, max_k=4))
         runs.append((out, lse, *grads[:3]))
     for plain, strided in zip(*runs):
         assert torch.equal(plain, strided)

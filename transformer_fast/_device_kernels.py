@@ -15,6 +15,7 @@ import torch
 
 from . import _backends, _build, _native_calls
 from ._result_layout import empty_in_rows_of
+from ._attention_call import AttentionBackwardCall, AttentionForwardCall
 
 _INF = float("inf")
 
@@ -26,39 +27,35 @@ def _empty(ref):
 def _attention_forward(kernel):
     check_seed = _build.extension().dropout_seed  # csrc/ops/op_utils.h: what a seed is, and its messages
 
-    def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
-                          softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                          block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
-        check_seed("attention_forward", seed, dropout_p)
-        if cu_seq_q is None:
+    def attention_forward(*args, **kwargs):
+        c = AttentionForwardCall(*args, **kwargs)
+        check_seed("attention_forward", c.seed, c.dropout_p)
+        q = c.q
+        if c.cu_seq_q is None:
             B, H, Nq, _ = q.shape
-            if Nq == 0 or k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
-                lse = q.new_full((B, H, Nq), _INF, dtype=_stats_dtype(q)) if sinks is None else \
-                    sinks.to(_stats_dtype(q))[None, :, None].expand(B, H, Nq).contiguous()
-                return empty_in_rows_of(q, v.shape[-1]).zero_(), lse
+            if Nq == 0 or c.k.shape[2] == 0:  # no queries, or no keys: every row is empty -> 0
+                lse = q.new_full((B, H, Nq), _INF, dtype=_stats_dtype(q)) if c.sinks is None else \
+                    c.sinks.to(_stats_dtype(q))[None, :, None].expand(B, H, Nq).contiguous()
+                return empty_in_rows_of(q, c.v.shape[-1]).zero_(), lse
         elif q.shape[0] == 0:
-            return q.new_empty(0, q.shape[1], v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=_stats_dtype(q))
-        return kernel(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, tuple(window), softcap,
-                      alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, num_splits,
-                      query_offset)
+            return q.new_empty(0, q.shape[1], c.v.shape[-1]), q.new_empty(q.shape[1], 0, dtype=_stats_dtype(q))
+        return kernel(c)
     return attention_forward
 
 
 def _attention_backward(kernel):
     check_seed = _build.extension().dropout_seed
 
-    def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                           compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None,
-                           cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
-        check_seed("attention_backward", seed, dropout_p)
-        rows, keys = (q.shape[2], k.shape[2]) if cu_seq_q is None else (q.shape[0], k.shape[0])
+    def attention_backward(*args, **kwargs):
+        c = AttentionBackwardCall(*args, **kwargs)
+        check_seed("attention_backward", c.seed, c.dropout_p)
+        q, k = c.q, c.k
+        rows, keys = (q.shape[2], k.shape[2]) if c.cu_seq_q is None else (q.shape[0], k.shape[0])
         if rows == 0 or keys == 0:
-            dmask = q.new_zeros(*q.shape[:3], k.shape[2]) if compute_dmask else _empty(q)
-            delta = lse.new_zeros(lse.shape) if compute_delta else _empty(q)
-            return (*(empty_in_rows_of(t, t.shape[-1]).zero_() for t in (q, k, v)), dmask, delta)
-        dq, dk, dv, dmask, delta = kernel(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                                          dropout_p, seed, compute_dmask, tuple(window), softcap, alibi_slopes,
-                                          cu_seq_q, cu_seq_k, max_q, max_k, compute_delta, sinks, query_offset)
+            dmask = q.new_zeros(*q.shape[:3], k.shape[2]) if c.compute_dmask else _empty(q)
+            delta = c.lse.new_zeros(c.lse.shape) if c.compute_delta else _empty(q)
+            return (*(empty_in_rows_of(t, t.shape[-1]).zero_() for t in (q, k, c.v)), dmask, delta)
+        dq, dk, dv, dmask, delta = kernel(c)
         return dq, dk, dv, _empty(q) if dmask is None else dmask, _empty(q) if delta is None else delta
     return attention_backward
 
@@ -153,7 +150,17 @@ OPS = tuple(_CONTRACT)
 @functools.lru_cache(maxsize=None)
 def op_kernel(name: str, backend: str, device_type: str = "cpu"):
     """``backend``'s kernel-level function ``name`` with the op's contract (see the module doc)."""
-    return _CONTRACT[name](_backends.kernel(name, backend, device_type))
+    kernel = _backends.kernel(name, backend, device_type)
+    if backend == "cpp" and name in _TAKE_A_CALL:  # the C++ bindings take the arguments one by one
+        kernel = functools.partial(_spread, kernel)
+    return _CONTRACT[name](kernel)
+
+
+_TAKE_A_CALL = ("attention_forward", "attention_backward")  # the Python kernels of these take one call object
+
+
+def _spread(kernel, call):
+    return kernel(*call)
 
 
 def run_named(name: str, code: int, *args):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._attention_call import AttentionForwardCall
 from ._result_layout import in_rows_of
 
 
@@ -209,35 +210,37 @@ def _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p
     return probs @ vc, lse
 
 
-def attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1),
-                      softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None,
-                      block_table=None, max_q=0, max_k=0, num_splits=0, query_offset=0):
-    check_query_offset("attention_forward", query_offset)
-    out, lse = _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
-                          alibi_slopes, sinks, cu_seq_q, cu_seq_k, seqused_k, block_table, max_q, max_k, query_offset)
+def attention_forward(c):
+    """The attention_forward op on one call (_attention_call.AttentionForwardCall)."""
+    check_query_offset("attention_forward", c.query_offset)
+    q = c.q
+    out, lse = _attention(q, c.k, c.v, c.attn_mask, c.key_padding_mask, c.is_causal, c.scale, c.dropout_p, c.seed,
+                          c.window, c.softcap, c.alibi_slopes, c.sinks, c.cu_seq_q, c.cu_seq_k, c.seqused_k,
+                          c.block_table, c.max_q, c.max_k, c.query_offset)
     out = out.to(q.dtype)
-    return (out if cu_seq_q is not None else in_rows_of(q, out)), lse.detach()
+    return (out if c.cu_seq_q is not None else in_rows_of(q, out)), lse.detach()
 
 
-def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                       compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None,
-                       max_q=0, max_k=0, compute_delta=False, sinks=None, query_offset=0):
-    """The forward's gradients: the forward recomputed from q, k, v with its P taken from lse, which
-    holds the sinks (sinks and out are not read), and differentiated. dmask is the gradient of a
-    zero bias added to the final scores; delta is dO . O with the unrounded O, which is
-    sum_j p_ij dP_ij (O = sum_j p_ij v_j, dropout included)."""
-    check_query_offset("attention_backward", query_offset)
-    c = _compute_dtype(q)
-    packed = cu_seq_q is not None
+def attention_backward(c):
+    """The attention_backward op on one call (_attention_call.AttentionBackwardCall): the forward's
+    gradients, the forward recomputed from q, k, v with its P taken from lse, which holds the sinks
+    (sinks and out are not read), and differentiated. dmask is the gradient of a zero bias added to
+    the final scores; delta is dO . O with the unrounded O, which is sum_j p_ij dP_ij (O = sum_j
+    p_ij v_j, dropout included)."""
+    check_query_offset("attention_backward", c.query_offset)
+    q, k, v, lse, attn_mask = c.q, c.k, c.v, c.lse, c.attn_mask
+    dtype = _compute_dtype(q)
+    packed = c.cu_seq_q is not None
     # an expanded scalar: its gradient is full-sized, and nothing of that size is allocated for it
-    bias = (q.new_zeros((), dtype=c).expand(*q.shape[:3], k.shape[2]),) if compute_dmask and not packed else ()
+    bias = (q.new_zeros((), dtype=dtype).expand(*q.shape[:3], k.shape[2]),) if c.compute_dmask and not packed else ()
 
     def forward(q, k, v, *bias):
-        return _attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window, softcap,
-                          alibi_slopes, None, cu_seq_q, cu_seq_k, None, None, None, None, query_offset, lse, *bias)[0]
+        return _attention(q, k, v, attn_mask, c.key_padding_mask, c.is_causal, c.scale, c.dropout_p, c.seed, c.window,
+                          c.softcap, c.alibi_slopes, None, c.cu_seq_q, c.cu_seq_k, None, None, None, None,
+                          c.query_offset, lse, *bias)[0]
 
     recomputed, pull = torch.func.vjp(forward, q, k, v, *bias)
-    dout = dout.to(c)
+    dout = c.dout.to(dtype)
     dq, dk, dv, *dmask = pull(dout)
     if packed:
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -245,7 +248,7 @@ def attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_
         dq, dk, dv = in_rows_of(q, dq), in_rows_of(k, dk), in_rows_of(v, dv)
     dmask = dmask[0].to(dmask_dtype(attn_mask, q)).contiguous() if dmask else None
     delta = None
-    if compute_delta:
+    if c.compute_delta:
         delta = (dout * recomputed).sum(-1)
         delta = (delta.transpose(0, 1) if packed else delta).to(lse.dtype).contiguous()
     return dq, dk, dv, dmask, delta
@@ -350,7 +353,8 @@ def attention_backward_composite(dout, q, k, v, attn_mask, key_padding_mask, is_
     """(dq, dk, dv, dmask, dsinks)."""
     args = (q, k, v, attn_mask, key_padding_mask, is_causal, scale, 0.0, None, window, softcap, alibi_slopes, sinks,
             cu_seq_q, cu_seq_k, None, None, None, None, 0, query_offset)
-    return tuple(_composite_gradients(attention_forward, args, (0, 1, 2, 3, 12), (dout, None)))
+    return tuple(_composite_gradients(lambda *a: attention_forward(AttentionForwardCall(*a)), args, (0, 1, 2, 3, 12),
+                                      (dout, None)))
 
 
 def layer_norm_backward_composite(dy, h, weight, bias, eps, is_rms):

@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from . import _build, _plain_torch
+from ._attention_call import AttentionForwardCall
 
 _C, _ = _build.load()
 _AUTOCAST_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -36,11 +37,9 @@ def _dropout_seed(dropout_p):
 
 
 def _attention(q, k, v, attn_mask, key_padding_mask, scale, extras, is_causal, dropout_p):
-    extras = dict(extras)
-    sinks = extras.pop("sinks", None)
     with _autocast_off():
-        return _plain_torch.attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                                              _dropout_seed(dropout_p), sinks=sinks, **extras)
+        return _plain_torch.attention_forward(AttentionForwardCall(
+            q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, _dropout_seed(dropout_p), **extras))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

@@ -82,6 +82,7 @@ import torch
 
 from . import _backends, _build, _transforms
 from ._fast_path import direct, dynamo_compiling
+from ._attention_call import AttentionBackwardCall, AttentionForwardCall
 from ._plain_torch import dmask_dtype
 from ._result_layout import empty_in_rows_of
 from ._validation import (check_bools, check_float32_range, check_int64, check_optional_tensors, check_tensors,
@@ -98,24 +99,25 @@ _context_parallel = None
 # Fake implementations (shapes only: torch.compile, FakeTensorMode, the meta device)
 # --------------------------------------------------------------------------------------------
 @torch.library.register_fake("transformer_fast::attention_forward")
-def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, window=(-1, -1), softcap=0.0,
-      alibi_slopes=None, sinks=None, cu_seq_q=None, cu_seq_k=None, seqused_k=None, block_table=None, max_q=0,
-      max_k=0, num_splits=0, query_offset=0):
+def _(*args, **kwargs):
+    c = AttentionForwardCall(*args, **kwargs)
+    q = c.q
     stats = torch.promote_types(q.dtype, torch.float32)
-    if cu_seq_q is not None:
+    if c.cu_seq_q is not None:
         Tq, H, _ = q.shape
-        return q.new_empty(Tq, H, v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
+        return q.new_empty(Tq, H, c.v.shape[-1]), q.new_empty(H, Tq, dtype=stats)
     B, H, Nq, _ = q.shape
-    return empty_in_rows_of(q, v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
+    return empty_in_rows_of(q, c.v.shape[-1]), q.new_empty(B, H, Nq, dtype=stats)
 
 
 @torch.library.register_fake("transformer_fast::attention_backward")
-def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed, compute_dmask,
-      window=(-1, -1), softcap=0.0, alibi_slopes=None, cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0,
-      compute_delta=False, sinks=None, query_offset=0):
-    dmask = q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(attn_mask, q)) if compute_dmask else q.new_empty(0)
-    delta = lse.new_empty(lse.shape) if compute_delta else q.new_empty(0)
-    return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(v, v.shape[-1]),
+def _(*args, **kwargs):
+    c = AttentionBackwardCall(*args, **kwargs)
+    q, k = c.q, c.k
+    dmask = (q.new_empty(*q.shape[:3], k.shape[2], dtype=dmask_dtype(c.attn_mask, q)) if c.compute_dmask
+             else q.new_empty(0))
+    delta = c.lse.new_empty(c.lse.shape) if c.compute_delta else q.new_empty(0)
+    return (empty_in_rows_of(q, q.shape[-1]), empty_in_rows_of(k, k.shape[-1]), empty_in_rows_of(c.v, c.v.shape[-1]),
             dmask, delta)
 
 
