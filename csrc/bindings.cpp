@@ -3,8 +3,9 @@
 //   * the public ops' C++ functions, called directly by the Python functions in eager mode (the
 //     same code the dispatcher runs for torch.ops.transformer_fast.<op>, without the boxed call);
 //   * their argument checks alone (*_args), for the torch.func transforms (transformer_fast/_transforms.py);
-//   * the kernel-level functions, for a backend named by backend= (ops/named_backend.h) and the
-//     context-parallel blocks, with the function those named backends run through;
+//   * the kernel-level functions, for a backend named by backend= and the context-parallel blocks;
+//   * the other way, the call from the ops' BackendSelect kernels into a named backend's Python
+//     kernel (run_named_kernel, ops/named_backend.h), and the calling thread's named backend;
 //   * the signatures of an op kernel's call and of a Triton launch's arguments (launch/launch_signature.cpp),
 //     and launches of compiled Triton kernels from C++ (launch/triton_launch.cpp), for kernels/_launch.py;
 //   * the native calls' set-up (launch/native_calls.cpp), for transformer_fast/_native_calls.py;
@@ -102,12 +103,43 @@ PyObject* direct(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) 
   Py_RETURN_TRUE;
 }
 
+// The named backends' Python kernels (ops/named_backend.h): _device_kernels.run_named(op, backend,
+// *args), set once and never freed. The kernel ops' arguments are tensors, None, bools, ints, floats
+// and int lists; their results tuples of tensors.
+PyObject* named_kernel_runner = nullptr;
+
+py::object to_python(const c10::IValue& v) {
+  if (v.isNone()) return py::none();
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isIntList()) return py::cast(v.toIntVector());
+  TORCH_CHECK(false, "transformer_fast: a kernel op argument of type ", v.tagKind(), " has no Python form here");
+}
+
 PyMethodDef direct_method[] = {
     {"direct", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&direct)), METH_FASTCALL,
      "direct(n_tensors, *args) -> bool: whether a public function may call its op's C++ function directly."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
+
+namespace transformer_fast {
+
+void run_named_kernel(const c10::OperatorName& op, int8_t backend, torch::jit::Stack& stack) {
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(named_kernel_runner != nullptr, "transformer_fast: no runner for named backends was set");
+  py::tuple args(stack.size() + 2);
+  args[0] = py::str(op.name.substr(op.name.find("::") + 2));
+  args[1] = py::int_(backend);
+  for (size_t i = 0; i < stack.size(); ++i) args[i + 2] = to_python(stack[i]);
+  stack.clear();
+  const py::object results = py::reinterpret_borrow<py::object>(named_kernel_runner)(*args);
+  for (const py::handle t : results) stack.emplace_back(py::cast<at::Tensor>(t));
+}
+
+}  // namespace transformer_fast
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace tf = transformer_fast;
@@ -146,8 +178,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("linear_attention", &tf::linear_attention);
   // A backend by name below the ops' autograd (ops/named_backend.h).
-  m.def("set_named_kernel_runner", [](py::object fn) { tf::set_named_kernel_runner(fn.ptr()); });
-  m.def("exchange_named_backend", &tf::exchange_named_backend, py::arg("backend"));
+  m.def("set_named_kernel_runner", [](py::object fn) { named_kernel_runner = fn.release().ptr(); });
+  m.def("exchange_named_backend", [](int8_t backend) {
+    const int8_t previous = tf::current_named_backend;
+    tf::current_named_backend = backend;
+    return previous;
+  }, py::arg("backend"));
   // The attention ops' dropout seed as an int (their checks and messages), for the Python kernels.
   // The sinks' gradient of the ops' autograd formula, for the context-parallel backwards.
   m.def("sinks_gradient", &tf::sinks_gradient, py::arg("delta"), py::arg("lse"), py::arg("sinks"), py::arg("packed"));

@@ -3,9 +3,10 @@
 // (which torch keeps in every thread's included set, inference mode too, and which runs after
 // autograd and autocast and before the device's kernel). With no backend named it passes the call on
 // to the device's kernel; with one it runs that backend's kernel, a Python function
-// (transformer_fast/_device_kernels.py, run_named). The name lives in a thread-local, set for one call
-// by the public Python functions; an autograd node keeps the name its forward ran with and sets it
-// again around its backward, which the engine may run in another thread.
+// (transformer_fast/_device_kernels.py, run_named), through run_named_kernel (bindings.cpp). The name
+// lives in a thread-local, set for one call by the public Python functions; an autograd node keeps
+// the name its forward ran with and sets it again around its backward, which the engine may run in
+// another thread.
 #pragma once
 
 #include <ATen/core/boxing/impl/boxing.h>
@@ -14,18 +15,18 @@
 
 #include <cstdint>
 
-typedef struct _object PyObject;
-
 namespace transformer_fast {
 
 // 0: none (the dispatcher's kernel for the device); else 1 + the index of the backend in
 // transformer_fast/_backends.py, BACKENDS ("triton", "cpp", "reference").
-int8_t named_backend();
+inline thread_local int8_t current_named_backend = 0;
+
+inline int8_t named_backend() { return current_named_backend; }
 
 class NamedBackendGuard {
  public:
-  explicit NamedBackendGuard(int8_t backend);
-  ~NamedBackendGuard();
+  explicit NamedBackendGuard(int8_t backend) : previous_(current_named_backend) { current_named_backend = backend; }
+  ~NamedBackendGuard() { current_named_backend = previous_; }
   NamedBackendGuard(const NamedBackendGuard&) = delete;
   NamedBackendGuard& operator=(const NamedBackendGuard&) = delete;
 
@@ -34,13 +35,8 @@ class NamedBackendGuard {
 };
 
 // Runs the Python kernel of `op` for `backend` on the boxed arguments in `stack`, leaving its results
-// there (named_backend.cpp).
+// there (bindings.cpp, where the extension meets Python).
 void run_named_kernel(const c10::OperatorName& op, int8_t backend, torch::jit::Stack& stack);
-
-// For the Python bindings: the function that runs a named backend's kernel (_device_kernels.run_named),
-// and the calling thread's backend set to `backend`, returning the previous one.
-void set_named_kernel_runner(PyObject* fn);
-int8_t exchange_named_backend(int8_t backend);
 
 template <class Sig>
 struct BackendChoice;
@@ -50,13 +46,12 @@ template <class Ret, class... Args>
 struct BackendChoice<Ret(Args...)> {
   template <const c10::TypedOperatorHandle<Ret(Args...)>& (*Op)()>
   static Ret kernel(c10::DispatchKeySet keys, Args... args) {
-    const int8_t backend = named_backend();
-    if (C10_LIKELY(backend == 0)) {
+    if (C10_LIKELY(current_named_backend == 0)) {
       return Op().redispatch(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect),
                              args...);
     }
     torch::jit::Stack stack = c10::impl::boxArgs<Args...>(args...);
-    run_named_kernel(Op().operator_name(), backend, stack);
+    run_named_kernel(Op().operator_name(), current_named_backend, stack);
     return c10::impl::PopResult<Ret>::call(stack);
   }
 };
