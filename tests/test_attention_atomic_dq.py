@@ -6,6 +6,7 @@ windows, softcap, ALiBi, dropout, GQA, packed sequences); and which kernels each
 import pytest
 import torch
 
+from transformer_fast._attention_call import AttentionBackwardCall
 import transformer_fast as tf
 
 from transformer_fast.kernels import attention as ka
@@ -84,8 +85,9 @@ def _backward_launches(monkeypatch, **call):
     q, k, v = make_qkv(1, 2, 20, 20, 16)
     lse, dout = torch.zeros(1, 2, 20), torch.randn(1, 2, 20, 16)
     launches = record_launches(monkeypatch)
-    ka.attention_backward(dout, q, k, v, dout, lse, call.get("attn_mask"), None, False, 0.25, 0.0, 0,
-                          call.get("compute_dmask", False), compute_delta=call.get("compute_delta", False))
+    ka.attention_backward(AttentionBackwardCall(dout, q, k, v, dout, lse, call.get("attn_mask"), None, False, 0.25,
+                                                0.0, 0, call.get("compute_dmask", False),
+                                                compute_delta=call.get("compute_delta", False)))
     return launches
 
 

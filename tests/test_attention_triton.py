@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from transformer_fast._attention_call import AttentionBackwardCall, AttentionForwardCall
 import transformer_fast as tf
 from transformer_fast import reference
 
@@ -86,13 +87,13 @@ def test_launchers_run_no_torch_op_beyond_allocations(monkeypatch, compute_dmask
     allowed = {"empty", "full", "zeros", "view", "detach"}  # a dtype view shows as view + detach
 
     launches, ops = record_launches_and_ops(
-        monkeypatch, lambda ka: ka.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, 5))
+        monkeypatch, lambda ka: ka.attention_forward(AttentionForwardCall(q, k, v, mask, pad, True, 0.25, 0.1, 5)))
     assert launches == ["attention_fwd_kernel"]
     assert set(ops) <= allowed and ops.count("view") == 2, ops
 
     launches, ops = record_launches_and_ops(
-        monkeypatch, lambda ka: ka.attention_backward(q, q, k, v, q, lse, mask, pad, True, 0.25, 0.1, 5,
-                                                      compute_dmask))
+        monkeypatch, lambda ka: ka.attention_backward(AttentionBackwardCall(q, q, k, v, q, lse, mask, pad, True, 0.25,
+                                                                            0.1, 5, compute_dmask)))
     assert launches == ["attention_bwd_preprocess_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
     assert set(ops) <= allowed and ops.count("view") == 2, ops
 

@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 
+from transformer_fast._attention_call import AttentionBackwardCall, AttentionForwardCall
 import transformer_fast as tf
 from transformer_fast import reference
 
@@ -364,10 +365,11 @@ def test_more_sequences_than_the_grid_holds_are_refused():
     q, k, v = (torch.randn(4, 2, 16) for _ in range(3))
     cu = torch.zeros(65536, dtype=torch.int32)
     with pytest.raises(ValueError, match="65534 packed sequences"):
-        ka.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu, max_q=1, max_k=1)
+        ka.attention_forward(AttentionForwardCall(q, k, v, None, None, False, 0.25, 0.0, 0, cu_seq_q=cu, cu_seq_k=cu,
+                                                  max_q=1, max_k=1))
     with pytest.raises(ValueError, match="65534 packed sequences"):
-        ka.attention_backward(q, q, k, v, q, torch.zeros(2, 4), None, None, False, 0.25, 0.0, 0, False, cu_seq_q=cu,
-                              cu_seq_k=cu, max_q=1, max_k=1)
+        ka.attention_backward(AttentionBackwardCall(q, q, k, v, q, torch.zeros(2, 4), None, None, False, 0.25, 0.0, 0,
+                                                    False, cu_seq_q=cu, cu_seq_k=cu, max_q=1, max_k=1))
 
 
 # ------------------------------------------------------------------------------------------
@@ -438,12 +440,12 @@ def test_launchers_run_no_torch_op_beyond_outputs_and_scratch(monkeypatch):
     slopes, sinks, lse = torch.rand(2, 4), torch.randn(4), torch.zeros(4, 8)
 
     def run(ka):
-        ka.attention_forward(q, k, v, None, None, False, 0.25, 0.0, 0, (30, 0), 2.0, slopes, sinks, cu_q, cu_k, used,
-                             None, 5, 40, 3)  # split in 3: the forward and the merge
-        ka.attention_forward(q, pool, pool, None, None, False, 0.25, 0.0, 0, (-1, -1), 0.0, None, None, cu_q, None,
-                             used, table, 5, 24, 1)
-        ka.attention_backward(q, q, k, v, q, lse, None, None, False, 0.25, 0.1, 3, False, (8, 0), 2.0, slopes, cu_q,
-                              cu_k, 5, 40)
+        ka.attention_forward(AttentionForwardCall(q, k, v, None, None, False, 0.25, 0.0, 0, (30, 0), 2.0, slopes, sinks,
+                                                  cu_q, cu_k, used, None, 5, 40, 3))  # 3 splits: forward, merge
+        ka.attention_forward(AttentionForwardCall(q, pool, pool, None, None, False, 0.25, 0.0, 0, (-1, -1), 0.0, None,
+                                                  None, cu_q, None, used, table, 5, 24, 1))
+        ka.attention_backward(AttentionBackwardCall(q, q, k, v, q, lse, None, None, False, 0.25, 0.1, 3, False, (8, 0),
+                                                    2.0, slopes, cu_q, cu_k, 5, 40))
 
     launches, ops = record_launches_and_ops(monkeypatch, run)
     assert launches == ["attention_fwd_kernel", "attention_combine_kernel", "attention_fwd_kernel",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer_fast._attention_call import AttentionForwardCall
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
@@ -380,11 +381,12 @@ def test_gpu_packed_launches_give_tritons_results():
             on_side = run()
         torch.cuda.current_stream().wait_stream(side)
         q = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
-        ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)  # planned and packed before capture
-        expected = ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)[0].clone()
+        # planned and packed before capture
+        ka.attention_forward(AttentionForwardCall(q, q, q, None, None, True, 0.125, 0.0, 0))
+        expected = ka.attention_forward(AttentionForwardCall(q, q, q, None, None, True, 0.125, 0.0, 0))[0].clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = ka.attention_forward(q, q, q, None, None, True, 0.125, 0.0, 0)[0]
+            captured = ka.attention_forward(AttentionForwardCall(q, q, q, None, None, True, 0.125, 0.0, 0))[0]
         graph.replay()
         torch.cuda.synchronize()
     finally:

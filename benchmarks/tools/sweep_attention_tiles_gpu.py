@@ -20,6 +20,7 @@ import multiprocessing as mp
 
 import torch
 
+from transformer_fast._attention_call import AttentionForwardCall
 FWD_CANDIDATES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                   (128, 64, 8, 4), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3)]
 DKDV_CANDIDATES = [(64, 64, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3),
@@ -34,7 +35,7 @@ def _inputs(B, H, N, D, dtype, causal, device="cuda"):
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(B, H, N, D, device=device, dtype=dtype) for _ in range(4))
     scale = D ** -0.5
-    out, lse = ka.attention_forward(q, k, v, None, None, causal, scale, 0.0, 0)
+    out, lse = ka.attention_forward(AttentionForwardCall(q, k, v, None, None, causal, scale, 0.0, 0))
     delta = (out.float() * dout.float()).sum(-1)
     return q, k, v, dout, lse, delta, scale
 
@@ -45,8 +46,7 @@ def _launch_fwd(tile, q, k, v, scale, causal):
     from transformer_fast.kernels import attention as ka
     from transformer_fast.kernels.compile_cases import jit_function
 
-    plan = ka._forward_plan(q, k, v, None, None, causal, scale, 0.0, (-1, -1), 0.0, None, None, None, None, None,
-                            None, 0, 0, 0)
+    plan = ka._forward_plan(*AttentionForwardCall(q, k, v, None, None, causal, scale, 0.0, None))
     assert plan.splits == 1, "the sweep's shapes run the forward unsplit"
     out, lse = torch.empty_like(q), torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
     block_m, block_n, warps, stages = tile
