@@ -2,18 +2,13 @@
 kernels of their ops.
 
 The kernels (``kernels/attention*.py`` for Triton; ``csrc/cpu/attention_forward.cpp`` and
-``attention_backward.cpp`` for C++; ``_plain_torch.py``) share one contract:
+``attention_backward.cpp`` for C++; ``_plain_torch.py``) share one contract, that of the kernel ops
+``transformer_fast::attention_forward`` and ``attention_backward`` (``csrc/ops/schemas.cpp``). Each
+kernel takes one call of its op as one object, the arguments by name: ``AttentionForwardCall`` and
+``AttentionBackwardCall`` (``_attention_call.py``; in C++, ``csrc/ops/attention_call.h``):
 
-    attention_forward(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, seed,
-                      window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, cu_seq_q=None,
-                      cu_seq_k=None, seqused_k=None, block_table=None, max_q=0, max_k=0, num_splits=0,
-                      query_offset=0)
-        -> (out, lse)
-    attention_backward(dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale,
-                       dropout_p, seed, compute_dmask, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0, compute_delta=False, sinks=None,
-                       query_offset=0)
-        -> (dq, dk, dv, dmask, delta)
+    attention_forward(call) -> (out, lse)
+    attention_backward(call) -> (dq, dk, dv, dmask, delta)
 
 Layouts. Dense (cu_seq_q None): q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv); out
 (B, H, Nq, Dv) in q's dtype, laid out in q's row order as torch's attention lays out its output
