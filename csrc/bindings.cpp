@@ -37,26 +37,6 @@ at::OptionalIntArrayRef optional_array(const std::optional<std::vector<int64_t>>
   return values.has_value() ? at::OptionalIntArrayRef(*values) : at::OptionalIntArrayRef();
 }
 
-// The kernel-level attention functions (attention_forward<suffix>, attention_backward<suffix>),
-// with the schemas' defaults (ops/schemas.cpp).
-template <typename Forward, typename Backward>
-void def_attention_kernels(py::module& m, const std::string& suffix, Forward forward, Backward backward) {
-  m.def(("attention_forward" + suffix).c_str(), forward, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("attn_mask"), py::arg("key_padding_mask"), py::arg("is_causal"), py::arg("scale"),
-        py::arg("dropout_p"), py::arg("seed"), py::arg("window") = std::vector<int64_t>{-1, -1},
-        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(), py::arg("seqused_k") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("num_splits") = 0,
-        py::arg("query_offset") = 0);
-  m.def(("attention_backward" + suffix).c_str(), backward, py::arg("dout"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("attn_mask"), py::arg("key_padding_mask"),
-        py::arg("is_causal"), py::arg("scale"), py::arg("dropout_p"), py::arg("seed"), py::arg("compute_dmask"),
-        py::arg("window") = std::vector<int64_t>{-1, -1}, py::arg("softcap") = 0.0,
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seq_q") = py::none(), py::arg("cu_seq_k") = py::none(),
-        py::arg("max_q") = 0, py::arg("max_k") = 0, py::arg("compute_delta") = false, py::arg("sinks") = py::none(),
-        py::arg("query_offset") = 0);
-}
-
 // _C.direct(n_tensors, *args): whether a public Python function may call its op's C++ function
 // directly rather than through torch.ops. True when the first n_tensors args are plain tensors
 // (torch.Tensor or nn.Parameter: no __torch_function__ of their own; not nested, which the Python
@@ -247,8 +227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(a.q, a.k, a.v, a.key_padding_mask, a.initial_S, a.initial_z);
   });
 
-  def_attention_kernels(m, "", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward>,
-                        &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward>);
+  // The kernel-level attention functions take every argument of their op, positionally: a call
+  // (transformer_fast/_attention_call.py) spread into them.
+  m.def("attention_forward", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward>);
+  m.def("attention_backward", &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward>);
   m.def("launch_plan_signature", &tf::launch_plan_signature, py::arg("args"));
   m.def("triton_launch_signature", &tf::triton_launch_signature, py::arg("args"));
   tf::bind_packed_launch(m);
@@ -258,8 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_attention_forward", &tf::linear_attention_forward);
   m.def("linear_attention_backward", &tf::linear_attention_backward);
 #if defined(TRANSFORMER_FAST_WITH_CUDA)
-  def_attention_kernels(m, "_cuda", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward_cuda>,
-                        &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward_cuda>);
+  m.def("attention_forward_cuda", &tf::CallKernel<tf::AttentionForwardCall>::of<&tf::attention_forward_cuda>);
+  m.def("attention_backward_cuda", &tf::CallKernel<tf::AttentionBackwardCall>::of<&tf::attention_backward_cuda>);
   m.def("register_cuda_kernels", &tf::register_cuda_kernels);
 #endif
   // Whether the CPU kernels' bf16/fp16 tile products use the CPU's own (cpu/cpu_blas.h), for tests.

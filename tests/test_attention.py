@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import transformer_fast as tf
+from transformer_fast._attention_call import AttentionBackwardCall, AttentionForwardCall
 from transformer_fast import _build, reference
 from transformer_fast._device_kernels import op_kernel
 
@@ -468,7 +469,8 @@ class _CppAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, pad, scale):
-        out, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, None)
+        out, lse = _build.extension().attention_forward(*AttentionForwardCall(q, k, v, mask, pad, True, scale, 0.0,
+                                                                              None))
         ctx.save_for_backward(q, k, v, mask, pad, out, lse)
         ctx.scale = scale
         return out
@@ -476,8 +478,8 @@ class _CppAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, pad, out, lse = ctx.saved_tensors
-        dq, dk, dv, dmask, _ = _build.extension().attention_backward(
-            dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, None, ctx.needs_input_grad[3])
+        dq, dk, dv, dmask, _ = _build.extension().attention_backward(*AttentionBackwardCall(
+            dout, q, k, v, out, lse, mask, pad, True, ctx.scale, 0.0, None, ctx.needs_input_grad[3]))
         return dq, dk, dv, dmask, None, None
 
 
@@ -492,12 +494,13 @@ def test_cpp_entry_points_empty_problems(B, H, Hk, Nq, Nk, dtype):
     q, k, v = make_qkv(B, H, Nq, Nk, 16, 24, Hk=Hk, dtype=dtype, layout="bnhd")
     mask, pad = torch.randn(B, H, Nq, Nk, dtype=dtype), torch.zeros(B, Nk, dtype=torch.bool)
     seed = torch.tensor(0)
-    out, lse = C.attention_forward(q, k, v, mask, pad, True, 0.25, 0.1, seed)
+    out, lse = C.attention_forward(*AttentionForwardCall(q, k, v, mask, pad, True, 0.25, 0.1, seed))
     assert out.shape == (B, H, Nq, 24) and out.dtype == dtype and (out == 0).all()
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and (lse == float("inf")).all()
     for compute_dmask in (False, True):
-        *grads, dmask, delta = C.attention_backward(torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25,
-                                                    0.1, seed, compute_dmask, compute_delta=compute_dmask)
+        *grads, dmask, delta = C.attention_backward(*AttentionBackwardCall(
+            torch.randn_like(out), q, k, v, out, lse, mask, pad, True, 0.25, 0.1, seed, compute_dmask,
+            compute_delta=compute_dmask))
         for grad, t in zip(grads, (q, k, v)):
             assert grad.shape == t.shape and grad.dtype == dtype and (grad == 0).all()
             assert grad.stride() == result_strides(t, t.shape[-1])
@@ -524,7 +527,7 @@ def test_cpp_entry_points_head_dim_0(D, Dv, dtype):
         lambda q, k, v, mask: _CppAttention.apply(q, k, v, mask, pad, scale),
         lambda q, k, v, mask: reference.scaled_dot_product_attention(q, k, v, mask, True, scale, key_padding_mask=pad),
         (q, k, v, mask), grad_inputs=(0, 1, 2, 3), what=f"D={D}, Dv={Dv}")
-    _, lse = _build.extension().attention_forward(q, k, v, mask, pad, True, scale, 0.0, None)
+    _, lse = _build.extension().attention_forward(*AttentionForwardCall(q, k, v, mask, pad, True, scale, 0.0, None))
     bias = reference.attention_bias(Nq, Nk, batch=B, heads=H, attn_mask=mask, key_padding_mask=pad, is_causal=True,
                                     dtype=torch.float64)
     expected = torch.logsumexp(bias, dim=-1) if D == 0 else torch.logsumexp(
@@ -546,12 +549,12 @@ def test_cpp_entry_points_reject_inconsistent_shapes():
                         ((q, k, v[:, :, :6]), r"v must have shape \[2, 2, 7, 8\], got \[2, 2, 6, 8\]"),
                         ((q, k[:, :1], v[:, :1]), None), ((q[:, :3], k, v), r"key heads \(2\) must divide")]:
         if match is None:  # one key head serves all four query heads
-            C.attention_forward(*args, None, None, False, 0.25, 0.0, None)
+            C.attention_forward(*AttentionForwardCall(*args, None, None, False, 0.25, 0.0, None))
             continue
         with pytest.raises(ValueError, match=match):
-            C.attention_forward(*args, None, None, False, 0.25, 0.0, None)
-    out, lse = C.attention_forward(q, k, v, None, None, False, 0.25, 0.0, None)
+            C.attention_forward(*AttentionForwardCall(*args, None, None, False, 0.25, 0.0, None))
+    out, lse = C.attention_forward(*AttentionForwardCall(q, k, v, None, None, False, 0.25, 0.0, None))
     for dout, o, l, match in [(out[:, :, :4], out, lse, "dout must have shape"), (out, out[..., :4], lse, "out must"),
                               (out, out, lse[:1], r"lse must have shape \[2, 4, 5\]")]:
         with pytest.raises(ValueError, match=match):
-            C.attention_backward(dout, q, k, v, o, l, None, None, False, 0.25, 0.0, None, False)
+            C.attention_backward(*AttentionBackwardCall(dout, q, k, v, o, l, None, None, False, 0.25, 0.0, None, False))

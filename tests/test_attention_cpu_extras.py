@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import transformer_fast as tf
+from transformer_fast._attention_call import AttentionForwardCall
 from transformer_fast import _build, reference
 
 from attention_cases import check_garbage_does_not_leak, make_qkv, random_attn_mask, random_key_padding
@@ -175,7 +176,8 @@ def test_lse_and_rows_without_keys():
     sinks = torch.randn(H)
     slopes = torch.rand(B, H)
     for sink in (sinks, None):
-        out, lse = C.attention_forward(q, k, v, None, None, False, 0.3, 0.0, None, [0, 0], 2.0, slopes, sink)
+        out, lse = C.attention_forward(*AttentionForwardCall(q, k, v, None, None, False, 0.3, 0.0, None, [0, 0], 2.0,
+                                                             slopes, sink))
         ref_out, ref_lse = reference.scaled_dot_product_attention(
             q.double(), k.double(), v.double(), None, False, 0.3, window_size=(0, 0), softcap=2.0,
             alibi_slopes=slopes.double(), sinks=None if sink is None else sink.double(), return_lse=True)
