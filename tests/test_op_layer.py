@@ -379,6 +379,27 @@ def test_named_backend_in_inference_mode_and_other_threads(family, monkeypatch):
     assert calls == [(f"{family}_forward", "reference"), (f"{family}_backward", "reference")]
 
 
+def test_named_backend_under_autocast(monkeypatch):
+    """Autocast casts the inputs above the autograd node, so the named backend's kernels get them
+    cast, forward and backward, and the result matches torch's autocast SDPA."""
+    dtypes = []
+    original = _device_kernels.op_kernel
+
+    def recording(*key):
+        kernel = original(*key)
+        return lambda *args: dtypes.append((key[0], {t.dtype for t in args[:3]})) or kernel(*args)
+
+    monkeypatch.setattr(_device_kernels, "op_kernel", recording)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tf.scaled_dot_product_attention(q, q, q, is_causal=True, backend="reference")
+        expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    out.float().sum().backward()
+    assert dtypes == [("attention_forward", {torch.bfloat16}), ("attention_backward", {torch.bfloat16})]
+    assert out.dtype == expected.dtype == torch.bfloat16 and q.grad.dtype == torch.float32
+    torch.testing.assert_close(out, expected)
+
+
 def test_named_backend_error_keeps_its_type_and_restores_the_choice():
     """An error raised by a named backend's Python kernel reaches the caller with its own type,
     and the thread's choice is restored after it."""
