@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import os
 import sys
 
 import torch
@@ -111,9 +112,7 @@ def main(argv=None):
         model = build_model()
         reference = train_one_process(copy.deepcopy(model), args) if rank == 0 else None
         losses = train_context_parallel(model, args, dist.group.WORLD)
-        # Every rank done with the group before any tears it down: gloo's connection threads could
-        # otherwise see a peer close while they still run (an abort at exit under load).
-        dist.barrier()
+        dist.barrier()  # every rank done with the group before any leaves it
         if rank != 0:
             return 0
         worst = 0.0
@@ -134,4 +133,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Not sys.exit: gloo's worker threads may still be freeing a finished collective's tensors,
+    # which takes the GIL, and a thread that asks for it while the interpreter shuts down aborts
+    # the process ("terminate called without an active exception", pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
