@@ -85,7 +85,8 @@ PyObject* direct(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) 
 
 // The named backends' Python kernels (ops/named_backend.h): _device_kernels.run_named(op, backend,
 // *args), set once and never freed. The kernel ops' arguments are tensors, None, bools, ints, floats
-// and int lists; their results tuples of tensors.
+// and int lists; their results tuples of tensors. to_python converts those few types itself:
+// torch::jit::toPyObject needs pybind_utils.h, and a file that included it took 14.5 s to compile.
 PyObject* named_kernel_runner = nullptr;
 
 py::object to_python(const c10::IValue& v) {

@@ -270,7 +270,7 @@ _forward_plans = Plans(_forward_plan)
 
 
 def attention_forward(c):
-    """The attention_forward op on one call ``c`` (transformer_fast.attention.AttentionForwardCall:
+    """The attention_forward op on one call ``c`` (transformer_fast._attention_call.AttentionForwardCall:
     the op's arguments by name): (out, lse)."""
     seed = 0 if c.seed is None else int(c.seed)  # None, or the op's one-element int64 tensor
     plan = _forward_plans.get(c, seed_class(seed))
@@ -405,7 +405,7 @@ _backward_plans = Plans(_backward_plan)
 
 
 def attention_backward(c):
-    """The attention_backward op on one call ``c`` (transformer_fast.attention.AttentionBackwardCall):
+    """The attention_backward op on one call ``c`` (transformer_fast._attention_call.AttentionBackwardCall):
     (dq, dk, dv, dmask or None, delta or None). Its sinks are not read: P follows from lse, which
     includes them, and no row is rescaled here."""
     seed = 0 if c.seed is None else int(c.seed)  # None, or the op's one-element int64 tensor

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import torch
 
 from transformer_fast._attention_call import AttentionForwardCall
+
 FWD_CANDIDATES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
                   (128, 64, 8, 4), (128, 64, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3)]
 DKDV_CANDIDATES = [(64, 64, 8, 2), (32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3),
@@ -35,7 +36,7 @@ def _inputs(B, H, N, D, dtype, causal, device="cuda"):
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(B, H, N, D, device=device, dtype=dtype) for _ in range(4))
     scale = D ** -0.5
-    out, lse = ka.attention_forward(AttentionForwardCall(q, k, v, None, None, causal, scale, 0.0, 0))
+    out, lse = ka.attention_forward(AttentionForwardCall(q, k, v, None, None, causal, scale, 0.0, None))
     delta = (out.float() * dout.float()).sum(-1)
     return q, k, v, dout, lse, delta, scale
 
